@@ -1,0 +1,374 @@
+"""The workflow document: schema, validation and plan.
+
+A workflow is one JSON document describing a multi-phase training run. `validate_workflow`
+parses it and reports *every* problem at once, each as a JSON path and a sentence, so a user
+fixes a document in one round trip instead of one error at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Objective = Literal[
+    "continued_pretrain",
+    "summarization",
+    "instruction_tuning",
+    "qa_reasoning",
+    "retrieval_planning",
+]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+SUPERVISED_OBJECTIVES: tuple[str, ...] = tuple(o for o in OBJECTIVES if o != "continued_pretrain")
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """Either a transformers config (llama-style; `model_type` defaults to "llama") or a local
+    directory holding a pretrained model (`save_pretrained` output)."""
+
+    config: dict[str, Any] | None = None
+    pretrained: str | None = None
+
+
+class OptimizerSpec(_Strict):
+    """Muon for the 2-D hidden weights, AdamW for everything else (embeddings, head, norms)."""
+
+    muon_lr: float = Field(0.02, gt=0)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_weight_decay: float = Field(0.0, ge=0)
+    adamw_lr: float = Field(3e-3, gt=0)
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class CheckpointSpec(_Strict):
+    every_steps: PositiveInt = 100
+    # At least two, so a corrupt newest checkpoint always has a predecessor to fall back to.
+    keep_last: int = Field(2, ge=2)
+
+
+class EvalSpec(_Strict):
+    task: Objective
+    data: str
+    every_steps: PositiveInt = 100
+
+
+class DataSource(_Strict):
+    path: str
+    # A share of *tokens*, relative to the phase's other sources.
+    weight: float = Field(1.0, gt=0)
+
+
+class Schedule(_Strict):
+    """Learning-rate multiplier over a phase: linear warmup, then either cosine decay or
+    warmup-stable-decay (WSD: flat, then a linear decay over the last `decay_fraction`)."""
+
+    kind: Literal["wsd", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    decay_fraction: float = Field(0.2, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class Phase(_Strict):
+    name: str = Field(min_length=1)
+    objective: Objective
+    data: list[DataSource] = Field(min_length=1)
+    sequence_length: PositiveInt
+    microbatch_size: PositiveInt
+    grad_accum: PositiveInt = 1
+    steps: PositiveInt
+    schedule: Schedule = Schedule()
+    # Multiplies both optimizers' learning rates for this phase.
+    lr_scale: float = Field(1.0, gt=0)
+
+    @property
+    def microbatch_tokens(self) -> int:
+        return self.sequence_length * self.microbatch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.microbatch_tokens * self.grad_accum
+
+
+class Workflow(_Strict):
+    name: str = Field(min_length=1)
+    model: ModelSpec
+    tokenizer: str
+    seed: int = 0
+    microbatch_tokens: PositiveInt
+    optimizer: OptimizerSpec = OptimizerSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    evals: list[EvalSpec] = []
+    phases: list[Phase] = Field(min_length=1)
+
+    def data_paths(self) -> list[str]:
+        """Every data file the workflow reads, in document order, without repeats."""
+        paths = [s.path for p in self.phases for s in p.data] + [e.data for e in self.evals]
+        return list(dict.fromkeys(paths))
+
+    def phase_offsets(self) -> list[int]:
+        """Global step at which each phase starts (phase i covers offsets[i] + 1 ...)."""
+        offsets, total = [], 0
+        for phase in self.phases:
+            offsets.append(total)
+            total += phase.steps
+        return offsets
+
+    def normalized(self) -> dict[str, Any]:
+        """Canonical JSON-able form: defaults filled in, used for storage and the signature."""
+        return self.model_dump(mode="json")
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+class Problem(BaseModel):
+    path: str
+    message: str
+
+
+class WorkflowInvalid(ValueError):
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{p.path}: {p.message}" for p in problems))
+
+
+def json_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
+    """('phases', 2, 'steps') -> 'phases[2].steps'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "$"
+
+
+def _pydantic_problems(err: ValidationError, prefix: tuple[int | str, ...] = ()) -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        # Discriminated/literal errors carry the expected values; phrase them for people.
+        loc = prefix + tuple(e["loc"])
+        if e["type"] == "literal_error" and loc[-1] in ("objective", "task"):
+            msg = f"unknown objective {e['input']!r}; expected one of: {', '.join(OBJECTIVES)}"
+        elif e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "missing":
+            msg = "is required"
+        else:
+            msg = e["msg"]
+        problems.append(Problem(path=json_path(loc), message=msg))
+    return problems
+
+
+def resolve_paths(doc: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Return a copy of a raw workflow document with relative file paths made absolute against
+    `base_dir` (the workflow file's directory, or the service's data root)."""
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            return str((base_dir / value).resolve())
+        return value
+
+    out = dict(doc)
+    if isinstance(out.get("tokenizer"), str):
+        out["tokenizer"] = fix(out["tokenizer"])
+    model = out.get("model")
+    if isinstance(model, dict) and isinstance(model.get("pretrained"), str):
+        out["model"] = {**model, "pretrained": fix(model["pretrained"])}
+    if isinstance(out.get("evals"), list):
+        out["evals"] = [
+            {**e, "data": fix(e.get("data"))} if isinstance(e, dict) else e for e in out["evals"]
+        ]
+    if isinstance(out.get("phases"), list):
+        phases = []
+        for p in out["phases"]:
+            if isinstance(p, dict) and isinstance(p.get("data"), list):
+                p = {
+                    **p,
+                    "data": [
+                        {**s, "path": fix(s.get("path"))} if isinstance(s, dict) else s
+                        for s in p["data"]
+                    ],
+                }
+            phases.append(p)
+        out["phases"] = phases
+    return out
+
+
+def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]:
+    """Cross-field checks. They run on whatever parts of the document parse, so that they are
+    reported together with the structural errors."""
+    problems: list[Problem] = []
+    add = problems.append
+
+    envelope = doc.get("microbatch_tokens")
+    envelope = envelope if isinstance(envelope, int) and envelope > 0 else None
+
+    model = doc.get("model")
+    max_positions = None
+    if isinstance(model, dict):
+        has_config, has_pretrained = model.get("config") is not None, model.get("pretrained")
+        if bool(has_config) == bool(has_pretrained):
+            add(Problem(path="model", message='give exactly one of "config" or "pretrained"'))
+        if isinstance(model.get("config"), dict):
+            cfg = model["config"]
+            if not isinstance(cfg.get("vocab_size"), int):
+                add(Problem(path="model.config.vocab_size", message="is required (an integer)"))
+            max_positions = cfg.get("max_position_embeddings")
+        if check_files and isinstance(has_pretrained, str) and not Path(has_pretrained).is_dir():
+            add(Problem(path="model.pretrained", message=f"directory {has_pretrained} not found"))
+
+    tokenizer = doc.get("tokenizer")
+    if check_files and isinstance(tokenizer, str) and not Path(tokenizer).exists():
+        add(Problem(path="tokenizer", message=f"file {tokenizer} not found"))
+
+    phases = doc.get("phases") if isinstance(doc.get("phases"), list) else []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(phases):
+        if not isinstance(raw, dict):
+            continue
+        name = raw.get("name")
+        if isinstance(name, str):
+            if name in seen:
+                add(
+                    Problem(
+                        path=f"phases[{i}].name",
+                        message=f"duplicate phase name {name!r} (also phases[{seen[name]}])",
+                    )
+                )
+            else:
+                seen[name] = i
+        seq, mbs = raw.get("sequence_length"), raw.get("microbatch_size")
+        if envelope and isinstance(seq, int) and isinstance(mbs, int) and seq * mbs != envelope:
+            add(
+                Problem(
+                    path=f"phases[{i}]",
+                    message=(
+                        f"sequence_length {seq} x microbatch_size {mbs} = {seq * mbs} tokens, "
+                        f"but microbatch_tokens is {envelope}"
+                    ),
+                )
+            )
+        if isinstance(max_positions, int) and isinstance(seq, int) and seq > max_positions:
+            add(
+                Problem(
+                    path=f"phases[{i}].sequence_length",
+                    message=(
+                        f"{seq} exceeds the model's max_position_embeddings {max_positions}"
+                    ),
+                )
+            )
+        schedule, steps = raw.get("schedule"), raw.get("steps")
+        if isinstance(schedule, dict) and isinstance(steps, int):
+            warmup = schedule.get("warmup_steps")
+            if isinstance(warmup, int) and warmup > steps:
+                add(
+                    Problem(
+                        path=f"phases[{i}].schedule.warmup_steps",
+                        message=f"warmup of {warmup} steps is longer than the phase ({steps})",
+                    )
+                )
+        data = raw.get("data") if isinstance(raw.get("data"), list) else []
+        for j, source in enumerate(data):
+            path = source.get("path") if isinstance(source, dict) else None
+            if check_files and isinstance(path, str) and not Path(path).is_file():
+                add(Problem(path=f"phases[{i}].data[{j}].path", message=f"file {path} not found"))
+
+    evals = doc.get("evals") if isinstance(doc.get("evals"), list) else []
+    for k, ev in enumerate(evals):
+        path = ev.get("data") if isinstance(ev, dict) else None
+        if check_files and isinstance(path, str) and not Path(path).is_file():
+            add(Problem(path=f"evals[{k}].data", message=f"file {path} not found"))
+    return problems
+
+
+def validate_workflow(doc: Any, *, check_files: bool = True) -> Workflow:
+    """Parse and check a workflow document; raise `WorkflowInvalid` listing every problem.
+
+    `check_files` is off where the files live elsewhere (a worker re-parsing a stored spec).
+    """
+    if not isinstance(doc, dict):
+        raise WorkflowInvalid([Problem(path="$", message="a workflow must be a JSON object")])
+    problems: list[Problem] = []
+    workflow: Workflow | None = None
+    try:
+        workflow = Workflow.model_validate(doc)
+    except ValidationError as err:
+        problems.extend(_pydantic_problems(err))
+    problems.extend(_check_semantics(doc, check_files=check_files))
+    if problems or workflow is None:
+        raise WorkflowInvalid(problems)
+    return workflow
+
+
+# --- plan ---------------------------------------------------------------------------------
+
+
+class SourcePlan(BaseModel):
+    path: str
+    weight: float
+    token_share: float
+
+
+class PhasePlan(BaseModel):
+    name: str
+    objective: Objective
+    steps: int
+    first_step: int
+    last_step: int
+    tokens_per_step: int
+    compute_tokens: int
+    token_share: float
+    sources: list[SourcePlan]
+
+
+class Plan(BaseModel):
+    total_steps: int
+    compute_tokens: int
+    phases: list[PhasePlan]
+
+
+def plan(workflow: Workflow) -> Plan:
+    """Totals per phase. `compute_tokens` counts envelope tokens (what the GPU processes);
+    `token_share` is each phase's fraction of the run's compute tokens."""
+    total_tokens = sum(p.steps * p.tokens_per_step for p in workflow.phases)
+    phases = []
+    for phase, offset in zip(workflow.phases, workflow.phase_offsets(), strict=True):
+        tokens = phase.steps * phase.tokens_per_step
+        weights = sum(s.weight for s in phase.data)
+        phases.append(
+            PhasePlan(
+                name=phase.name,
+                objective=phase.objective,
+                steps=phase.steps,
+                first_step=offset + 1,
+                last_step=offset + phase.steps,
+                tokens_per_step=phase.tokens_per_step,
+                compute_tokens=tokens,
+                token_share=tokens / total_tokens,
+                sources=[
+                    SourcePlan(path=s.path, weight=s.weight, token_share=s.weight / weights)
+                    for s in phase.data
+                ],
+            )
+        )
+    return Plan(
+        total_steps=sum(p.steps for p in workflow.phases),
+        compute_tokens=total_tokens,
+        phases=phases,
+    )
+
+
+def perplexity(cross_entropy: float) -> float:
+    """exp(ce), saturating instead of raising for an untrained model's large losses."""
+    return math.exp(cross_entropy) if cross_entropy < 700 else math.inf

@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from contracts.signature import (
+    Digests,
+    compute_signature,
+    diff_components,
+    sha256_file,
+    sha256_path,
+)
+from contracts.workflow import Workflow
+
+DOC: dict[str, Any] = {
+    "name": "wf",
+    "model": {"config": {"vocab_size": 64}},
+    "tokenizer": "/t/tok.json",
+    "microbatch_tokens": 64,
+    "phases": [
+        {
+            "name": "pre",
+            "objective": "continued_pretrain",
+            "data": [{"path": "/d/a.jsonl"}],
+            "sequence_length": 32,
+            "microbatch_size": 2,
+            "steps": 10,
+        },
+        {
+            "name": "sft",
+            "objective": "summarization",
+            "data": [{"path": "/d/b.jsonl"}],
+            "sequence_length": 32,
+            "microbatch_size": 2,
+            "steps": 4,
+        },
+    ],
+}
+DIGESTS = Digests(tokenizer="t" * 64, data={"/d/a.jsonl": "a" * 64, "/d/b.jsonl": "b" * 64})
+
+
+def workflow(**phase1: Any) -> Workflow:
+    doc = {**DOC, "phases": [DOC["phases"][0], {**DOC["phases"][1], **phase1}]}
+    return Workflow.model_validate(doc)
+
+
+def test_signature_is_stable_and_defaults_are_part_of_it() -> None:
+    explicit = workflow(grad_accum=1)  # 1 is the default: the same workflow
+    assert (
+        compute_signature(workflow=workflow(), digests=DIGESTS).sha256
+        == compute_signature(workflow=explicit, digests=DIGESTS).sha256
+    )
+
+
+def test_signature_changes_with_any_component() -> None:
+    base = compute_signature(workflow=workflow(), digests=DIGESTS).sha256
+    changed_data = DIGESTS.model_copy(update={"data": {**DIGESTS.data, "/d/b.jsonl": "c" * 64}})
+    assert compute_signature(workflow=workflow(), digests=changed_data).sha256 != base
+    assert compute_signature(workflow=workflow(steps=5), digests=DIGESTS).sha256 != base
+    with_ckpt = DIGESTS.model_copy(update={"initial_checkpoint": "e" * 64})
+    assert compute_signature(workflow=workflow(), digests=with_ckpt).sha256 != base
+
+
+def test_initial_checkpoint_identity_is_its_content_not_its_path() -> None:
+    digests = DIGESTS.model_copy(update={"initial_checkpoint": "e" * 64})
+    here = compute_signature(workflow=workflow(), digests=digests, initial_checkpoint="/a/x")
+    there = compute_signature(workflow=workflow(), digests=digests, initial_checkpoint="/b/x")
+    assert here.sha256 == there.sha256
+    assert diff_components(here.components, there.components) == []
+
+
+def test_diff_names_every_differing_field_with_both_values() -> None:
+    stored = compute_signature(
+        workflow=workflow(),
+        digests=DIGESTS.model_copy(update={"initial_checkpoint": "e" * 64}),
+        initial_checkpoint="/ckpt",
+    )
+    given = compute_signature(workflow=workflow(steps=7), digests=DIGESTS)
+    diffs = {d.field: (d.stored, d.given) for d in diff_components(stored.components, given.components)}
+    assert diffs == {
+        "phases[1].steps": (4, 7),
+        "initial_checkpoint.sha256": ("e" * 64, None),
+    }
+
+
+def test_diff_names_a_changed_data_file() -> None:
+    other = DIGESTS.model_copy(update={"data": {**DIGESTS.data, "/d/a.jsonl": "f" * 64}})
+    a = compute_signature(workflow=workflow(), digests=DIGESTS).components
+    b = compute_signature(workflow=workflow(), digests=other).components
+    [diff] = diff_components(a, b)
+    assert diff.field == 'data["/d/a.jsonl"].sha256'
+    assert (diff.stored, diff.given) == ("a" * 64, "f" * 64)
+
+
+def test_sha256_of_a_directory_covers_names_and_contents(tmp_path: Path) -> None:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "weights.bin").write_bytes(b"\x00\x01")
+    first = sha256_path(d)
+    assert first == sha256_path(d)
+    (d / "weights.bin").write_bytes(b"\x00\x02")
+    second = sha256_path(d)
+    assert second != first
+    (d / "weights.bin").rename(d / "other.bin")
+    assert sha256_path(d) != second
+    assert sha256_path(d / "config.json") == sha256_file(d / "config.json")

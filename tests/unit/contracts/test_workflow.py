@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contracts.workflow import (
+    WorkflowInvalid,
+    json_path,
+    plan,
+    resolve_paths,
+    validate_workflow,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "workflows"
+
+
+def make_workflow(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    """A small valid workflow whose files exist in tmp_path."""
+    (tmp_path / "tok.json").write_text("{}")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.jsonl").write_text('{"source": "s", "target": "t"}\n')
+    doc: dict[str, Any] = {
+        "name": "wf",
+        "model": {"config": {"vocab_size": 64, "max_position_embeddings": 64}},
+        "tokenizer": str(tmp_path / "tok.json"),
+        "microbatch_tokens": 64,
+        "evals": [{"task": "summarization", "data": str(tmp_path / "b.jsonl")}],
+        "phases": [
+            {
+                "name": "pre",
+                "objective": "continued_pretrain",
+                "data": [{"path": str(tmp_path / "a.jsonl")}],
+                "sequence_length": 32,
+                "microbatch_size": 2,
+                "steps": 10,
+            },
+            {
+                "name": "sft",
+                "objective": "summarization",
+                "data": [
+                    {"path": str(tmp_path / "b.jsonl"), "weight": 3},
+                    {"path": str(tmp_path / "a.jsonl"), "weight": 1},
+                ],
+                "sequence_length": 16,
+                "microbatch_size": 4,
+                "grad_accum": 2,
+                "steps": 5,
+            },
+        ],
+    }
+    doc.update(overrides)
+    return doc
+
+
+def problems_of(doc: Any) -> dict[str, str]:
+    with pytest.raises(WorkflowInvalid) as info:
+        validate_workflow(doc)
+    return {p.path: p.message for p in info.value.problems}
+
+
+def test_valid_workflow_fills_defaults(tmp_path: Path) -> None:
+    wf = validate_workflow(make_workflow(tmp_path))
+    assert wf.checkpoint.keep_last == 2
+    assert wf.phases[0].schedule.kind == "cosine"
+    assert wf.normalized()["optimizer"]["muon_lr"] == 0.02
+
+
+def test_every_problem_is_reported_at_once_with_paths(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][0]["objective"] = "pretraining"
+    doc["phases"][1]["name"] = "pre"
+    doc["phases"][1]["microbatch_size"] = 6
+    doc["phases"][1]["data"][0]["path"] = str(tmp_path / "missing.jsonl")
+    doc["phases"][1]["steps"] = 0
+    doc["evals"][0]["data"] = str(tmp_path / "gone.jsonl")
+    found = problems_of(doc)
+    assert "unknown objective 'pretraining'" in found["phases[0].objective"]
+    assert "duplicate phase name 'pre'" in found["phases[1].name"]
+    assert found["phases[1]"] == (
+        "sequence_length 16 x microbatch_size 6 = 96 tokens, but microbatch_tokens is 64"
+    )
+    assert "not found" in found["phases[1].data[0].path"]
+    assert "phases[1].steps" in found
+    assert "not found" in found["evals[0].data"]
+
+
+def test_model_needs_exactly_one_source(tmp_path: Path) -> None:
+    assert "model" in problems_of(make_workflow(tmp_path, model={}))
+    both = {"config": {"vocab_size": 8}, "pretrained": str(tmp_path)}
+    assert "model" in problems_of(make_workflow(tmp_path, model=both))
+
+
+def test_unknown_fields_are_refused(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][0]["sequence_len"] = 32
+    assert problems_of(doc)["phases[0].sequence_len"] == "unknown field"
+
+
+def test_sequence_longer_than_model_positions_is_refused(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["model"]["config"]["max_position_embeddings"] = 16
+    assert "exceeds" in problems_of(doc)["phases[0].sequence_length"]
+
+
+def test_warmup_longer_than_phase_is_refused(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["schedule"] = {"warmup_steps": 9}
+    assert "longer than the phase" in problems_of(doc)["phases[1].schedule.warmup_steps"]
+
+
+def test_keep_last_below_two_is_refused(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path, checkpoint={"every_steps": 5, "keep_last": 1})
+    assert "checkpoint.keep_last" in problems_of(doc)
+
+
+def test_non_object_document_is_refused() -> None:
+    assert problems_of([1, 2]) == {"$": "a workflow must be a JSON object"}
+
+
+def test_plan_totals_and_shares(tmp_path: Path) -> None:
+    result = plan(validate_workflow(make_workflow(tmp_path)))
+    assert result.total_steps == 15
+    # pre: 10 steps x 64 tokens; sft: 5 steps x 64 tokens x 2 accumulation.
+    assert [p.compute_tokens for p in result.phases] == [640, 640]
+    assert result.compute_tokens == 1280
+    assert [p.token_share for p in result.phases] == [0.5, 0.5]
+    assert (result.phases[1].first_step, result.phases[1].last_step) == (11, 15)
+    assert [s.token_share for s in result.phases[1].sources] == [0.75, 0.25]
+
+
+def test_resolve_paths_makes_relative_paths_absolute(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["tokenizer"] = "tok.json"
+    doc["phases"][0]["data"][0]["path"] = "a.jsonl"
+    resolved = resolve_paths(doc, tmp_path)
+    assert resolved["tokenizer"] == str(tmp_path / "tok.json")
+    assert resolved["phases"][0]["data"][0]["path"] == str(tmp_path / "a.jsonl")
+    assert doc["tokenizer"] == "tok.json", "the input document is not modified"
+
+
+def test_json_path_formats_indices() -> None:
+    assert json_path(("phases", 2, "data", 0, "path")) == "phases[2].data[0].path"
+    assert json_path(()) == "$"
+
+
+def test_shipped_demo_workflow_is_valid() -> None:
+    path = EXAMPLES / "demo.json"
+    wf = validate_workflow(resolve_paths(json.loads(path.read_text()), path.parent))
+    assert len(wf.phases) >= 3
+    assert {e.task for e in wf.evals} >= {
+        "continued_pretrain",
+        "summarization",
+        "instruction_tuning",
+        "qa_reasoning",
+        "retrieval_planning",
+    }
