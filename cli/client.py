@@ -1,0 +1,44 @@
+"""A small client of the public API that turns error bodies into readable exceptions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+
+class ApiClient:
+    def __init__(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as err:
+            raise ApiError(0, "unreachable", f"cannot reach {self._http.base_url}: {err}") from err
+        if response.is_success:
+            return response.json()
+        try:
+            error = response.json()["error"]
+            raise ApiError(response.status_code, error["code"], error["message"], error["details"])
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(response.status_code, "http_error", response.text[:500]) from None
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self.request("GET", path, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        return self.request("POST", path, **kwargs)

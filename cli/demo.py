@@ -1,0 +1,119 @@
+"""`trainctl demo`: the whole product in one command on the embedded stack."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cli.client import ApiClient
+from cli.stack import free_port, spawn, stop, wait_healthy
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+console = Console()
+
+
+def eval_table(answer: dict[str, Any]) -> Table:
+    table = Table(title="per-task evaluation (target-only perplexity)")
+    for column in ("task", "baseline ppl", "final ppl", "best ppl", "change", "target tokens"):
+        table.add_column(column, justify="right" if column != "task" else "left")
+    for task, summary in sorted(answer["tasks"].items()):
+        base, latest, best = summary.get("baseline"), summary["latest"], summary["best"]
+        change = (
+            f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
+        )
+        table.add_row(
+            task,
+            f"{base['perplexity']:.2f}" if base else "-",
+            f"{latest['perplexity']:.2f} @ {latest['step']}",
+            f"{best['perplexity']:.2f} @ {best['step']}",
+            change,
+            f"{latest['target_tokens']:,}",
+        )
+    return table
+
+
+def watch(api: ApiClient, run_id: str, *, timeout: float) -> dict[str, Any]:
+    """Show a progress bar until the run ends; return the final run."""
+    deadline = time.monotonic() + timeout
+    run = api.get(f"/runs/{run_id}")
+    with Progress(
+        TextColumn("[bold]{task.fields[phase]}"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        bar = progress.add_task("run", total=run["total_steps"], phase="queued", status="")
+        while run["status"] not in TERMINAL:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f} s")
+            time.sleep(0.5)
+            run = api.get(f"/runs/{run_id}")
+            progress.update(
+                bar, completed=run["step"], phase=run.get("phase") or "-", status=run["status"]
+            )
+    return run
+
+
+def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """(phase, first loss, last loss) from the run's loss series."""
+    steps, values = metrics["loss"]["steps"], metrics["loss"]["values"]
+    out = []
+    for phase in plan["phases"]:
+        points = [
+            v for s, v in zip(steps, values, strict=True) if phase["first_step"] <= s <= phase["last_step"]
+        ]
+        if points:
+            out.append((phase["name"], points[0], points[-1]))
+    return out
+
+
+def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = home / "demo-stack.log"
+    console.print(f"starting the embedded stack on {url} (home {home}, log {log})")
+    stack = spawn(["up", "--port", str(port), "--workers", "1"], env={"TRAINCTL_HOME": str(home)}, log=log)
+    try:
+        wait_healthy(url, timeout=120, process=stack)
+        token = (home / "token").read_text().strip()
+        with ApiClient(url, token) as api:
+            run = api.post("/runs", json={"workflow": workflow, "name": "demo"})
+            console.print(f"run [bold]{run['id']}[/bold]: {run['total_steps']} steps in {len(run['plan']['phases'])} phases")
+            started = time.monotonic()
+            run = watch(api, run["id"], timeout=timeout)
+            elapsed = time.monotonic() - started
+            if run["status"] != "succeeded":
+                console.print(f"[red]run {run['status']}[/red]: {run.get('cause')}: {run.get('message')}")
+                return False
+            evals = api.get(f"/runs/{run['id']}/eval")
+            metrics = api.get(f"/runs/{run['id']}/metrics", params={"names": "loss"})
+    finally:
+        stop(stack)
+
+    console.print(f"run succeeded in {elapsed:.0f} s")
+    losses = Table(title="training loss per phase")
+    for column in ("phase", "first", "last"):
+        losses.add_column(column)
+    phase_losses = loss_by_phase(metrics, run["plan"])
+    for name, first, last in phase_losses:
+        losses.add_row(name, f"{first:.3f}", f"{last:.3f}")
+    console.print(losses)
+    console.print(eval_table(evals))
+
+    problems = [f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a]
+    for task, summary in evals["tasks"].items():
+        base, latest = summary.get("baseline"), summary["latest"]
+        if base is None or latest["perplexity"] >= base["perplexity"]:
+            problems.append(f"task {task}: final perplexity does not beat the baseline")
+    for problem in problems:
+        console.print(f"[red]check failed:[/red] {problem}")
+    return not problems

@@ -1,0 +1,295 @@
+"""`trainctl`: launchers (`up`, `serve`, `worker`, `demo`), the API client commands and local
+tools. Exit codes: 0 success, 1 the thing asked for failed (a run failed, a check did not
+hold), 2 bad input, 3 the service could not be reached or answered an error."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cli.client import ApiClient, ApiError
+from cli.config import get_settings
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DEMO_WORKFLOW = EXAMPLES / "workflows" / "demo.json"
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_API = 1, 2, 3
+
+app = typer.Typer(help="Run and watch multi-phase LLM training workflows.", no_args_is_help=True)
+runs_app = typer.Typer(help="Create, list and inspect runs.", no_args_is_help=True)
+tokens_app = typer.Typer(help="Manage API tokens (needs database access).", no_args_is_help=True)
+workflow_app = typer.Typer(help="Check workflow documents.", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+app.add_typer(tokens_app, name="tokens")
+app.add_typer(workflow_app, name="workflow")
+
+console = Console()
+err_console = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
+
+
+def client() -> ApiClient:
+    settings = get_settings()
+    return ApiClient(settings.api_url, settings.resolved_token())
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    err_console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(code)
+
+
+def call(method: str, path: str, **kwargs: Any) -> Any:
+    try:
+        with client() as api:
+            return api.request(method, path, **kwargs)
+    except ApiError as err:
+        detail = f"\n{json.dumps(err.details, indent=2)}" if err.details else ""
+        raise fail(f"{err.message}{detail}", EXIT_API) from err
+
+
+def load_workflow(path: Path) -> dict[str, Any]:
+    """Read a workflow file, with relative paths resolved against the file's own folder."""
+    from contracts.workflow import resolve_paths
+
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise fail(f"workflow file {path} not found", EXIT_BAD_INPUT) from err
+    except json.JSONDecodeError as err:
+        raise fail(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}", 2) from err
+    if not isinstance(doc, dict):
+        raise fail(f"{path}: a workflow must be a JSON object", EXIT_BAD_INPUT)
+    return resolve_paths(doc, path.resolve().parent)
+
+
+# --- launchers ----------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8600,
+) -> None:
+    """Run the API alone, with settings from TRAINCTL_* (Postgres and Redis in production)."""
+    import uvicorn
+
+    from service.app import create_app
+    from service.db import upgrade_database
+    from service.settings import ServiceSettings
+
+    settings = ServiceSettings()
+    upgrade_database(settings.database_url)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+
+
+@app.command()
+def worker() -> None:
+    """Run one worker process (one training slot) against TRAINCTL_BROKER_URL and TRAINCTL_API_URL."""
+    from worker.celery_app import start_worker
+    from worker.settings import get_settings as worker_settings
+
+    start_worker(worker_settings())
+
+
+@app.command()
+def up(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8600,
+    workers: Annotated[int, typer.Option(min=0, help="Worker processes to start.")] = 1,
+) -> None:
+    """Run the embedded stack: the API on SQLite plus worker processes over a broker folder.
+
+    The first start writes an admin token to $TRAINCTL_HOME/token (mode 0600)."""
+    import uvicorn
+
+    from cli.stack import spawn, stop
+    from service.app import create_app
+    from service.auth import ensure_tokens
+    from service.db import upgrade_database
+    from service.settings import ServiceSettings
+
+    settings = ServiceSettings(api_url=f"http://{host}:{port}")
+    settings.home.mkdir(parents=True, exist_ok=True)
+    upgrade_database(settings.database_url)
+    tokens = ensure_tokens(settings)
+    env = {
+        "TRAINCTL_HOME": str(settings.home),
+        "TRAINCTL_API_URL": settings.api_url,
+        "TRAINCTL_BROKER_URL": settings.broker_url,
+        "TRAINCTL_QUEUE": settings.queue,
+        "TRAINCTL_WORKER_TOKEN": tokens.worker,
+    }
+    logs = settings.home / "logs"
+    logs.mkdir(exist_ok=True)
+    procs = [spawn(["worker"], env=env, log=logs / f"worker-{i}.log") for i in range(workers)]
+    err_console.print(
+        f"trainctl up: API {settings.api_url}, {workers} worker(s), home {settings.home}, "
+        f"token in {settings.home / 'token'}"
+    )
+    try:
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+@app.command()
+def demo(
+    workflow: Annotated[Path, typer.Option(help="Workflow to run.")] = DEMO_WORKFLOW,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the run.")] = 900,
+) -> None:
+    """Start the embedded stack, run the demo workflow, and print baseline vs final perplexity
+    per task. Fails (exit 1) unless the loss fell in every phase and every task improved."""
+    from cli.demo import run_demo
+
+    ok = run_demo(load_workflow(workflow), home=get_settings().home, timeout=timeout)
+    raise typer.Exit(0 if ok else EXIT_FAILED)
+
+
+@tokens_app.command("create")
+def tokens_create(
+    name: Annotated[str, typer.Option(help="A label for the token.")],
+    role: Annotated[str, typer.Option(help="admin (the API) or worker (/internal only).")] = "admin",
+) -> None:
+    """Create a token in the database named by TRAINCTL_DATABASE_URL and print it once."""
+    from service.auth import create_token
+    from service.db import make_session_factory, upgrade_database
+    from service.settings import ServiceSettings
+
+    if role not in ("admin", "worker"):
+        raise fail(f"--role must be admin or worker, not {role!r}", EXIT_BAD_INPUT)
+    settings = ServiceSettings()
+    upgrade_database(settings.database_url)
+    with make_session_factory(settings.database_url)() as session:
+        token = create_token(session=session, name=name, role=role)
+        session.commit()
+    print(token)
+
+
+# --- workflows ----------------------------------------------------------------------------
+
+
+@workflow_app.command("validate")
+def workflow_validate(
+    path: Annotated[Path, typer.Argument(help="Workflow JSON file.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Validate a workflow locally and print its plan; every problem is listed at once."""
+    from contracts.workflow import WorkflowInvalid, plan, validate_workflow
+
+    try:
+        result = plan(validate_workflow(load_workflow(path)))
+    except WorkflowInvalid as err:
+        for problem in err.problems:
+            err_console.print(f"[red]{path}[/red] {problem.path}: {problem.message}")
+        raise typer.Exit(EXIT_BAD_INPUT) from err
+    if as_json:
+        print(result.model_dump_json(indent=2))
+        return
+    table = Table(title=f"{path.name}: {result.total_steps} steps, {result.compute_tokens:,} tokens")
+    for column in ("phase", "objective", "steps", "tokens/step", "compute tokens", "share"):
+        table.add_column(column)
+    for p in result.phases:
+        table.add_row(
+            p.name,
+            p.objective,
+            f"{p.first_step}-{p.last_step}",
+            f"{p.tokens_per_step:,}",
+            f"{p.compute_tokens:,}",
+            f"{p.token_share:.1%}",
+        )
+    console.print(table)
+
+
+# --- runs ---------------------------------------------------------------------------------
+
+
+@runs_app.command("create")
+def runs_create(
+    path: Annotated[Path, typer.Argument(help="Workflow JSON file.")],
+    name: Annotated[str | None, typer.Option(help="A name for the run.")] = None,
+    initial_checkpoint: Annotated[
+        Path | None, typer.Option(help="Safetensors file or model directory to start from.")
+    ] = None,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Retry-safe key: the same key returns the same run.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a workflow as a new run."""
+    body: dict[str, Any] = {"workflow": load_workflow(path)}
+    if name:
+        body["name"] = name
+    if initial_checkpoint:
+        body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    run = call("POST", "/runs", json=body, headers=headers)
+    if as_json:
+        print(json.dumps(run, indent=2))
+    else:
+        console.print(f"created run [bold]{run['id']}[/bold] ({run['total_steps']} steps)")
+
+
+@runs_app.command("list")
+def runs_list(as_json: JsonOpt = False) -> None:
+    """List runs, newest first."""
+    answer = call("GET", "/runs")
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return
+    table = Table()
+    for column in ("id", "name", "status", "phase", "step", "created"):
+        table.add_column(column)
+    for run in answer["runs"]:
+        table.add_row(
+            run["id"],
+            run.get("name") or "",
+            run["status"],
+            run.get("phase") or "",
+            f"{run['step']}/{run['total_steps']}",
+            run["created_at"],
+        )
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, as_json: JsonOpt = False) -> None:
+    """Show one run: status, progress, latest checkpoint and attempts."""
+    run = call("GET", f"/runs/{run_id}")
+    if as_json:
+        print(json.dumps(run, indent=2))
+        return
+    cause = f" ({run['cause']}: {run.get('message')})" if run.get("cause") else ""
+    console.print(f"[bold]{run['id']}[/bold] {run['status']}{cause}")
+    console.print(f"phase {run.get('phase')}  step {run['step']}/{run['total_steps']}")
+    ckpt = run.get("latest_checkpoint")
+    console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")
+    for a in run.get("attempts", []):
+        console.print(
+            f"  attempt {a['number']} phase {a['phase_index']} {a['status']} "
+            f"on {a.get('worker_hostname') or '-'} pid {a.get('worker_pid') or '-'}"
+        )
+
+
+@runs_app.command("eval")
+def runs_eval(run_id: str, as_json: JsonOpt = False) -> None:
+    """Per-task evaluation: baseline, latest and best perplexity."""
+    from cli.demo import eval_table
+
+    answer = call("GET", f"/runs/{run_id}/eval")
+    if as_json:
+        print(json.dumps(answer, indent=2))
+    else:
+        console.print(eval_table(answer))
+
+
+def main() -> None:  # pragma: no cover - the console script entry point
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()
