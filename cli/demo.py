@@ -23,9 +23,7 @@ def eval_table(answer: dict[str, Any]) -> Table:
         table.add_column(column, justify="right" if column != "task" else "left")
     for task, summary in sorted(answer["tasks"].items()):
         base, latest, best = summary.get("baseline"), summary["latest"], summary["best"]
-        change = (
-            f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
-        )
+        change = f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
         table.add_row(
             task,
             f"{base['perplexity']:.2f}" if base else "-",
@@ -68,7 +66,9 @@ def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[s
     out = []
     for phase in plan["phases"]:
         points = [
-            v for s, v in zip(steps, values, strict=True) if phase["first_step"] <= s <= phase["last_step"]
+            v
+            for s, v in zip(steps, values, strict=True)
+            if phase["first_step"] <= s <= phase["last_step"]
         ]
         if points:
             out.append((phase["name"], points[0], points[-1]))
@@ -81,18 +81,25 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
     url = f"http://127.0.0.1:{port}"
     log = home / "demo-stack.log"
     console.print(f"starting the embedded stack on {url} (home {home}, log {log})")
-    stack = spawn(["up", "--port", str(port), "--workers", "1"], env={"TRAINCTL_HOME": str(home)}, log=log)
+    stack = spawn(
+        ["up", "--port", str(port), "--workers", "1"], env={"TRAINCTL_HOME": str(home)}, log=log
+    )
     try:
         wait_healthy(url, timeout=120, process=stack)
         token = (home / "token").read_text().strip()
         with ApiClient(url, token) as api:
             run = api.post("/runs", json={"workflow": workflow, "name": "demo"})
-            console.print(f"run [bold]{run['id']}[/bold]: {run['total_steps']} steps in {len(run['plan']['phases'])} phases")
+            phases = len(run["plan"]["phases"])
+            console.print(
+                f"run [bold]{run['id']}[/bold]: {run['total_steps']} steps, {phases} phases"
+            )
             started = time.monotonic()
             run = watch(api, run["id"], timeout=timeout)
             elapsed = time.monotonic() - started
             if run["status"] != "succeeded":
-                console.print(f"[red]run {run['status']}[/red]: {run.get('cause')}: {run.get('message')}")
+                console.print(
+                    f"[red]run {run['status']}[/red]: {run.get('cause')}: {run.get('message')}"
+                )
                 return False
             evals = api.get(f"/runs/{run['id']}/eval")
             metrics = api.get(f"/runs/{run['id']}/metrics", params={"names": "loss"})
@@ -109,7 +116,9 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
     console.print(losses)
     console.print(eval_table(evals))
 
-    problems = [f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a]
+    problems = [
+        f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a
+    ]
     for task, summary in evals["tasks"].items():
         base, latest = summary.get("baseline"), summary["latest"]
         if base is None or latest["perplexity"] >= base["perplexity"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,6 +32,12 @@ app.add_typer(workflow_app, name="workflow")
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+class Role(StrEnum):
+    admin = "admin"
+    worker = "worker"
+
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
 
@@ -91,7 +98,8 @@ def serve(
 
 @app.command()
 def worker() -> None:
-    """Run one worker process (one training slot) against TRAINCTL_BROKER_URL and TRAINCTL_API_URL."""
+    """Run one worker process (one training slot) on TRAINCTL_BROKER_URL, reporting to
+    TRAINCTL_API_URL."""
     from worker.celery_app import start_worker
     from worker.settings import get_settings as worker_settings
 
@@ -156,19 +164,19 @@ def demo(
 @tokens_app.command("create")
 def tokens_create(
     name: Annotated[str, typer.Option(help="A label for the token.")],
-    role: Annotated[str, typer.Option(help="admin (the API) or worker (/internal only).")] = "admin",
+    role: Annotated[
+        Role, typer.Option(help="admin (the public API) or worker (/internal only).")
+    ] = Role.admin,
 ) -> None:
     """Create a token in the database named by TRAINCTL_DATABASE_URL and print it once."""
     from service.auth import create_token
     from service.db import make_session_factory, upgrade_database
     from service.settings import ServiceSettings
 
-    if role not in ("admin", "worker"):
-        raise fail(f"--role must be admin or worker, not {role!r}", EXIT_BAD_INPUT)
     settings = ServiceSettings()
     upgrade_database(settings.database_url)
     with make_session_factory(settings.database_url)() as session:
-        token = create_token(session=session, name=name, role=role)
+        token = create_token(session=session, name=name, role=role.value)
         session.commit()
     print(token)
 
@@ -193,7 +201,9 @@ def workflow_validate(
     if as_json:
         print(result.model_dump_json(indent=2))
         return
-    table = Table(title=f"{path.name}: {result.total_steps} steps, {result.compute_tokens:,} tokens")
+    table = Table(
+        title=f"{path.name}: {result.total_steps} steps, {result.compute_tokens:,} tokens"
+    )
     for column in ("phase", "objective", "steps", "tokens/step", "compute tokens", "share"):
         table.add_column(column)
     for p in result.phases:

@@ -23,12 +23,14 @@ def broker_options(broker_url: str) -> tuple[str, dict[str, Any]]:
     folder = Path(broker_url.removeprefix("filesystem://"))
     queue = folder / "queue"
     processed = folder / "processed"
-    queue.mkdir(parents=True, exist_ok=True)
-    processed.mkdir(parents=True, exist_ok=True)
+    control = folder / "control"  # exchange tables; kombu's default is ./control in the cwd
+    for path in (queue, processed, control):
+        path.mkdir(parents=True, exist_ok=True)
     return "filesystem://", {
         "data_folder_in": str(queue),
         "data_folder_out": str(queue),
         "processed_folder": str(processed),
+        "control_folder": str(control),
         "store_processed": False,
         "polling_interval": FILESYSTEM_POLL_SECONDS,
     }

@@ -232,7 +232,8 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
     if check_files and isinstance(tokenizer, str) and not Path(tokenizer).exists():
         add(Problem(path="tokenizer", message=f"file {tokenizer} not found"))
 
-    phases = doc.get("phases") if isinstance(doc.get("phases"), list) else []
+    raw_phases = doc.get("phases")
+    phases = raw_phases if isinstance(raw_phases, list) else []
     seen: dict[str, int] = {}
     for i, raw in enumerate(phases):
         if not isinstance(raw, dict):
@@ -263,9 +264,7 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
             add(
                 Problem(
                     path=f"phases[{i}].sequence_length",
-                    message=(
-                        f"{seq} exceeds the model's max_position_embeddings {max_positions}"
-                    ),
+                    message=(f"{seq} exceeds the model's max_position_embeddings {max_positions}"),
                 )
             )
         schedule, steps = raw.get("schedule"), raw.get("steps")
@@ -278,13 +277,15 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
                         message=f"warmup of {warmup} steps is longer than the phase ({steps})",
                     )
                 )
-        data = raw.get("data") if isinstance(raw.get("data"), list) else []
+        raw_data = raw.get("data")
+        data = raw_data if isinstance(raw_data, list) else []
         for j, source in enumerate(data):
             path = source.get("path") if isinstance(source, dict) else None
             if check_files and isinstance(path, str) and not Path(path).is_file():
                 add(Problem(path=f"phases[{i}].data[{j}].path", message=f"file {path} not found"))
 
-    evals = doc.get("evals") if isinstance(doc.get("evals"), list) else []
+    raw_evals = doc.get("evals")
+    evals = raw_evals if isinstance(raw_evals, list) else []
     for k, ev in enumerate(evals):
         path = ev.get("data") if isinstance(ev, dict) else None
         if check_files and isinstance(path, str) and not Path(path).is_file():

@@ -81,7 +81,9 @@ def qa_reasoning(rng: random.Random) -> dict[str, str]:
     passages = [sentence(fact(rng)) for _ in range(2)] + [sentence(f)]
     rng.shuffle(passages)
     # The question comes first: truncating passages can never remove it.
-    source = f"question: what did {f['who']} do on {f['day']}? passages: {' '.join(passages)} answer:"
+    source = (
+        f"question: what did {f['who']} do on {f['day']}? passages: {' '.join(passages)} answer:"
+    )
     return {"source": source, "target": f" {f['who']} {f['verb']} {f['what']} at {f['where']}."}
 
 

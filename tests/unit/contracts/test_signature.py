@@ -76,7 +76,9 @@ def test_diff_names_every_differing_field_with_both_values() -> None:
         initial_checkpoint="/ckpt",
     )
     given = compute_signature(workflow=workflow(steps=7), digests=DIGESTS)
-    diffs = {d.field: (d.stored, d.given) for d in diff_components(stored.components, given.components)}
+    diffs = {
+        d.field: (d.stored, d.given) for d in diff_components(stored.components, given.components)
+    }
     assert diffs == {
         "phases[1].steps": (4, 7),
         "initial_checkpoint.sha256": ("e" * 64, None),
