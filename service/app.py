@@ -1,0 +1,67 @@
+"""The app factory. Run it with `uvicorn --factory service.app:create_app` (settings from the
+environment); `uvicorn service.app:app` works too and builds the app on first access."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from service.db import make_engine, make_session_factory
+from service.dispatch import OutboxPump, make_celery
+from service.errors import install_error_handlers
+from service.routes import health, internal, runs, workflows
+from service.settings import ServiceSettings
+
+
+def create_app(settings: ServiceSettings | None = None) -> FastAPI:
+    """The API over `settings` (read from the environment when not given). The database must
+    already be at the latest revision (service.db.upgrade_database)."""
+    settings = settings or ServiceSettings()
+    engine = make_engine(settings.database_url)
+    session_factory = make_session_factory(engine)
+    pump = OutboxPump(
+        session_factory=session_factory,
+        celery=make_celery(settings.broker_url),
+        queue=settings.queue,
+        interval=settings.outbox_interval_seconds,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        pump.start()
+        try:
+            yield
+        finally:
+            pump.close()
+            engine.dispose()
+
+    app = FastAPI(
+        title="trainctl",
+        summary="Training control: workflows, runs, attempts, metrics and evaluations",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = session_factory
+    app.state.pump = pump
+    install_error_handlers(app)
+    for module in (health, workflows, runs, internal):
+        app.include_router(module.router)
+    return app
+
+
+_app: FastAPI | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # `service.app:app` for uvicorn without the --factory flag, built only when asked for.
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = create_app()
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,98 @@
+"""Engine, sessions and schema upgrades. The schema is created by Alembic only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+# How long a SQLite writer waits for the file lock before "database is locked".
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def normalize_url(url: str) -> str:
+    """psycopg 3 is the only Postgres driver installed; name it whatever the user wrote."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url.removeprefix(prefix)
+    return url
+
+
+def make_engine(url: str) -> Engine:
+    url = normalize_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    # The API serves requests from a thread pool; SQLite's own locking serialises writers.
+    engine = create_engine(url, connect_args={"check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        # WAL lets readers proceed while the one writer commits.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    return engine
+
+
+def make_session_factory(engine: Engine | str) -> sessionmaker[Session]:
+    """Sessions over `engine` (or over a new engine for a URL: one-shot commands)."""
+    if isinstance(engine, str):
+        engine = make_engine(engine)
+    # expire_on_commit=False: routes build their answer from objects after committing.
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def migrations_dir() -> Path:
+    import migrations
+
+    # __path__, not __file__: an editable install made before migrations/__init__.py existed
+    # imports it as a namespace package, which has no __file__.
+    return Path(next(iter(migrations.__path__))).resolve()
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.attributes["database_url"] = normalize_url(url)
+    return config
+
+
+def upgrade_database(url: str, revision: str = "head") -> None:
+    """Bring the database at `url` to `revision` (Alembic `upgrade`)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade_database(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def insert_for(session: Session, model: Any) -> Any:
+    """An INSERT that supports ON CONFLICT for the session's dialect (Postgres or SQLite)."""
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert(model)
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    return sqlite_insert(model)
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows matched by an UPDATE/INSERT: who won a conditional UPDATE."""
+    return cast(CursorResult[Any], result).rowcount

@@ -1,0 +1,139 @@
+"""Commit, then enqueue: the outbox pump.
+
+An attempt's Celery message is first an outbox row, written in the transaction that creates the
+attempt. After the commit, `dispatch_pending` sends unsent rows by task name and marks them
+sent; a background thread repeats that every `outbox_interval_seconds`, so a message whose send
+failed (broker down, process died) goes out later. A row may be sent twice (a crash between the
+send and the mark): workers tolerate that, because a claim has exactly one winner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from celery import Celery
+from kombu.exceptions import KombuError
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from contracts.dispatch import RUN_PHASE_TASK, broker_options
+from service.models import OutboxMessage, utcnow
+
+log = logging.getLogger(__name__)
+
+# Without a bound, kombu retries an unreachable broker for seconds before giving up; the
+# outbox retries anyway, so one quick reconnect is enough.
+_PUBLISH_FAILOVER = {
+    "max_retries": 1,
+    "interval_start": 0,
+    "interval_step": 0.2,
+    "interval_max": 0.5,
+}
+_BATCH = 100
+
+
+def make_celery(broker_url: str) -> Celery:
+    """A send-only Celery app: it never imports the worker's tasks, it names them."""
+    broker, options = broker_options(broker_url)
+    app = Celery("trainctl-service", broker=broker, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={**_PUBLISH_FAILOVER, **options},
+        broker_connection_timeout=2,
+        task_publish_retry=False,
+        task_serializer="json",
+        accept_content=["json"],
+    )
+    return app
+
+
+def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, queue: str) -> int:
+    """Send every unsent outbox row (oldest first) and mark it sent; returns how many went out.
+    Stops at the first broker error, which is logged: the rows stay for the next pass."""
+    sent = 0
+    with session_factory() as session:
+        while True:
+            # SKIP LOCKED (Postgres): two service processes do not send the same rows at once.
+            rows = session.scalars(
+                select(OutboxMessage)
+                .where(OutboxMessage.sent_at.is_(None))
+                .order_by(OutboxMessage.id)
+                .limit(_BATCH)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for row in rows:
+                try:
+                    celery.send_task(RUN_PHASE_TASK, args=[row.attempt_id], queue=queue)
+                except (KombuError, OSError) as err:
+                    log.warning(
+                        "could not send attempt %s to queue %r (%s); it stays in the outbox "
+                        "and is retried",
+                        row.attempt_id,
+                        queue,
+                        err,
+                    )
+                    session.commit()
+                    return sent
+                row.sent_at = utcnow()
+                sent += 1
+            session.commit()
+            if len(rows) < _BATCH:
+                return sent
+
+
+class OutboxPump:
+    """Dispatches after commits (`dispatch`) and every `interval` seconds in a thread."""
+
+    def __init__(
+        self,
+        *,
+        session_factory: sessionmaker[Session],
+        celery: Celery,
+        queue: str,
+        interval: float,
+    ) -> None:
+        self.session_factory = session_factory
+        self.celery = celery
+        self.queue = queue
+        self.interval = interval
+        # One pass at a time per process: a concurrent pass would only send duplicates.
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def dispatch(self) -> int:
+        with self._lock:
+            try:
+                return dispatch_pending(
+                    session_factory=self.session_factory, celery=self.celery, queue=self.queue
+                )
+            except SQLAlchemyError as err:
+                # The database being down is reported by /readyz; one line per pass is enough.
+                log.warning("outbox pass failed (%s); retrying in %.1f s", err, self.interval)
+                return 0
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="trainctl-outbox", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        # The first pass runs at once: rows left by a previous process go out on startup.
+        while True:
+            self.dispatch()
+            if self._stop.wait(self.interval):
+                return
+
+    def close(self) -> None:
+        self.stop()
+        self.celery.close()
+
+    def __repr__(self) -> str:
+        return f"OutboxPump(queue={self.queue!r}, interval={self.interval})"

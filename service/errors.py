@@ -1,0 +1,123 @@
+"""One error shape for every 4xx/5xx: `{"error": {"code", "message", "details"}}`.
+
+Logic raises `ApiError` (no FastAPI needed to raise or test it); `install_error_handlers` maps
+it, HTTPException and request validation errors onto the shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from contracts.workflow import json_path
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error the client can act on. `message` says what happened, where, and what to do."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        details: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+        self.headers = headers
+
+
+def not_found(kind: str, ident: str, hint: str) -> ApiError:
+    return ApiError(404, f"{kind}_not_found", f"{kind} {ident!r} does not exist; {hint}")
+
+
+def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "details": details}}
+
+
+def _code_for(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return "error"
+
+
+def validation_details(errors: Any) -> list[dict[str, str]]:
+    """Pydantic/FastAPI errors as `{path, message}` with JSON paths (`phases[2].steps`); a body
+    field's path has no `body.` prefix, other places keep theirs (`query.limit`)."""
+    details = []
+    for err in errors:
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] == "body":
+            path = json_path(loc[1:])
+        elif loc:
+            path = f"{loc[0]}.{json_path(loc[1:])}" if len(loc) > 1 else str(loc[0])
+        else:
+            path = "$"
+        message = str(err.get("msg", "is invalid"))
+        if err.get("type") == "missing":
+            message = "is required"
+        message = message.removeprefix("Value error, ")
+        details.append({"path": path, "message": message})
+    return details
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.code, exc.message, exc.details),
+            status_code=exc.status,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else _code_for(exc.status_code)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}; see /docs for the API"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(
+            error_body(_code_for(exc.status_code), message),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = validation_details(exc.errors())
+        summary = "; ".join(f"{d['path']}: {d['message']}" for d in details[:3])
+        more = f" (and {len(details) - 3} more)" if len(details) > 3 else ""
+        return JSONResponse(
+            error_body(
+                "invalid_request",
+                f"{request.method} {request.url.path}: {summary}{more}",
+                details,
+            ),
+            status_code=422,
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(
+                "internal_error",
+                f"{request.method} {request.url.path} failed: {type(exc).__name__}; "
+                "the service log has the traceback",
+            ),
+            status_code=500,
+        )

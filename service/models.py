@@ -1,0 +1,239 @@
+"""The database tables, as SQLAlchemy 2 typed mappings. The schema itself is made by Alembic
+(migrations/); these classes must stay in step with the latest revision.
+
+Types are portable (JSON, not JSONB) so one migration runs on Postgres and on SQLite.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any, ClassVar, Literal, get_args
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+RunStatus = Literal["queued", "running", "recovering", "paused", "succeeded", "failed", "cancelled"]
+RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
+FINISHED_RUN_STATUSES = ("succeeded", "failed", "cancelled")
+
+AttemptStatus = Literal[
+    "queued", "running", "succeeded", "failed", "preempted", "lost", "superseded"
+]
+ATTEMPT_STATUSES: tuple[str, ...] = get_args(AttemptStatus)
+
+TokenRole = Literal["admin", "worker"]
+TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_run_id() -> str:
+    return f"run_{secrets.token_hex(6)}"
+
+
+def new_attempt_id() -> str:
+    return f"att_{secrets.token_hex(6)}"
+
+
+def new_token_id() -> str:
+    return f"tok_{secrets.token_hex(6)}"
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC on the way in and out; SQLite drops the zone, so it is put back."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}; use service.models.utcnow()")
+        return None if value is None else value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(column_0_label)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UtcDateTime(),
+        dict[str, Any]: JSON(),
+    }
+
+
+class Workflow(Base):
+    """A normalised workflow document, addressed by the SHA-256 of its canonical JSON."""
+
+    __tablename__ = "workflows"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", RUN_STATUSES), name="status"),
+        Index("ix_runs_created_at", "created_at"),
+        Index("ix_runs_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_run_id)
+    workflow_id: Mapped[str] = mapped_column(ForeignKey("workflows.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    cause: Mapped[str | None] = mapped_column(String(32))
+    message: Mapped[str | None] = mapped_column(Text)
+    signature: Mapped[str] = mapped_column(String(64))
+    signature_components: Mapped[dict[str, Any]]
+    plan: Mapped[dict[str, Any]]
+    initial_checkpoint: Mapped[str | None] = mapped_column(Text)
+    phase_index: Mapped[int] = mapped_column(default=0)
+    step: Mapped[int] = mapped_column(default=0)
+    total_steps: Mapped[int]
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    # SHA-256 of the request that used idempotency_key: the same key with another body is a
+    # conflict, not a replay.
+    request_sha256: Mapped[str | None] = mapped_column(String(64))
+    # Restart budget for preemptions and lost workers (errors are never retried blindly).
+    max_restarts: Mapped[int]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+class Attempt(Base):
+    """One try at one phase of a run. Claimed by exactly one worker (conditional UPDATE); every
+    report after the claim carries `fencing_token`, so a superseded worker cannot write."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("run_id", "number"),
+        CheckConstraint(_one_of("status", ATTEMPT_STATUSES), name="status"),
+        Index("ix_attempts_status_lease", "status", "lease_expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_attempt_id)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    number: Mapped[int]
+    phase_index: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    fencing_token: Mapped[int] = mapped_column(default=0)
+    worker_hostname: Mapped[str | None] = mapped_column(String(255))
+    worker_pid: Mapped[int | None]
+    # No foreign key: attempts and checkpoints would reference each other, and SQLite cannot
+    # add the second constraint after both tables exist.
+    resume_checkpoint_id: Mapped[int | None]
+    claimed_at: Mapped[datetime | None]
+    heartbeat_at: Mapped[datetime | None]
+    lease_expires_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    cause: Mapped[str | None] = mapped_column(String(32))
+    message: Mapped[str | None] = mapped_column(Text)
+
+
+class Checkpoint(Base):
+    """A complete checkpoint, registered by the worker after its manifest was written."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    step: Mapped[int]
+    phase_index: Mapped[int]
+    phase_step: Mapped[int]
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class MetricPoint(Base):
+    """One training metric value. A resumed attempt re-reports steps after its checkpoint; the
+    latest report wins (upsert on the primary key)."""
+
+    __tablename__ = "metrics"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True)
+    # NULL stands for a non-finite value (NaN, inf): SQLite cannot store NaN, JSON cannot say it.
+    value: Mapped[float | None] = mapped_column(Float)
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+
+
+class EvalResult(Base):
+    """One task's evaluation at one step: token-weighted, target-only cross-entropy."""
+
+    __tablename__ = "evals"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    task: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True)
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    phase: Mapped[str] = mapped_column(String(200))
+    cross_entropy: Mapped[float | None] = mapped_column(Float)
+    perplexity: Mapped[float | None] = mapped_column(Float)
+    records: Mapped[int]
+    target_tokens: Mapped[int]
+    oversized_records: Mapped[int] = mapped_column(default=0)
+
+
+class OutboxMessage(Base):
+    """A Celery message still to send (sent_at NULL) or already sent. Written in the same
+    transaction as its attempt, so a crash between commit and send loses nothing."""
+
+    __tablename__ = "outbox"
+    __table_args__ = (Index("ix_outbox_sent_at", "sent_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    sent_at: Mapped[datetime | None]
+
+
+class ApiToken(Base):
+    """A bearer token, stored as its SHA-256 only."""
+
+    __tablename__ = "api_tokens"
+    __table_args__ = (CheckConstraint(_one_of("role", TOKEN_ROLES), name="role"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_token_id)
+    name: Mapped[str] = mapped_column(String(200))
+    role: Mapped[str] = mapped_column(String(16))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

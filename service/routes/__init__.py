@@ -1,0 +1,1 @@
+"""One router per resource; each route parses, authorises, calls a plain function, returns."""

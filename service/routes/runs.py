@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, BackgroundTasks, Depends, Header, Query, Response, status
+from fastapi.responses import JSONResponse
+
+from service.checkpoint import list_checkpoints
+from service.deps import PumpDep, RunDep, SessionDep, SettingsDep, require_admin
+from service.models import RunStatus
+from service.run import create_run, list_runs, run_public, runs_public
+from service.schemas import (
+    MAX_RUNS_PAGE,
+    CheckpointPublic,
+    CheckpointsPublic,
+    RunCreate,
+    RunPublic,
+    RunsPublic,
+)
+from service.series import eval_summary, metric_columns
+
+router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_admin)])
+
+MaxPoints = Annotated[
+    int | None, Query(ge=1, description="keep at most this many points per series")
+]
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def submit_run(
+    body: RunCreate,
+    session: SessionDep,
+    settings: SettingsDep,
+    pump: PumpDep,
+    response: Response,
+    background: BackgroundTasks,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> RunPublic:
+    """Validate, sign and store a run with its first attempt; 201. The same Idempotency-Key
+    and body again answer 200 with the same run; another body with that key, 409."""
+    run, created = create_run(
+        session=session,
+        request=body,
+        idempotency_key=idempotency_key,
+        data_root=settings.data_root,
+        default_max_restarts=settings.max_preemptions,
+    )
+    if created:
+        # After the response: a slow or dead broker never delays or fails the submission.
+        background.add_task(pump.dispatch)
+    else:
+        response.status_code = status.HTTP_200_OK
+    return run_public(session=session, run=run)
+
+
+@router.get("")
+def read_runs(
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 50,
+    status: RunStatus | None = None,
+) -> RunsPublic:
+    """Newest first. `count` is the number of runs matching `status`, over all pages."""
+    runs, count = list_runs(session=session, limit=limit, status=status)
+    return RunsPublic(runs=runs_public(session=session, runs=runs), count=count)
+
+
+@router.get("/{run_id}")
+def read_run(run: RunDep, session: SessionDep) -> RunPublic:
+    return run_public(session=session, run=run)
+
+
+@router.get("/{run_id}/metrics", response_class=JSONResponse)
+def read_metrics(
+    run: RunDep,
+    session: SessionDep,
+    names: Annotated[str | None, Query(description="comma-separated metric names")] = None,
+    max_points: MaxPoints = None,
+) -> JSONResponse:
+    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
+    return JSONResponse(
+        metric_columns(session=session, run_id=run.id, names=wanted, max_points=max_points)
+    )
+
+
+@router.get("/{run_id}/eval", response_class=JSONResponse)
+def read_eval(run: RunDep, session: SessionDep, max_points: MaxPoints = None) -> JSONResponse:
+    """Per task: baseline (step 0), latest, best (lowest cross-entropy) and history."""
+    return JSONResponse(eval_summary(session=session, run_id=run.id, max_points=max_points))
+
+
+@router.get("/{run_id}/checkpoints")
+def read_checkpoints(run: RunDep, session: SessionDep) -> CheckpointsPublic:
+    checkpoints = list_checkpoints(session=session, run_id=run.id)
+    return CheckpointsPublic(
+        checkpoints=[CheckpointPublic.model_validate(c) for c in checkpoints],
+        count=len(checkpoints),
+    )

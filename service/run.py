@@ -1,0 +1,190 @@
+"""Runs: submission (validate, hash, sign, plan, insert run + first attempt + outbox in one
+transaction) and the public views of a run."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from pathlib import Path
+from typing import cast
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from contracts.signature import canonical_json, compute_signature
+from contracts.workflow import Plan, plan
+from service.attempt import add_attempt, restarts_used
+from service.digest import resolve_digests
+from service.errors import ApiError, not_found
+from service.models import Attempt, Checkpoint, Run, RunStatus, new_run_id
+from service.schemas import AttemptPublic, CheckpointSummary, RunCreate, RunPublic
+from service.workflow import get_workflow, parse_workflow, save_workflow
+
+
+def request_sha256(request: RunCreate) -> str:
+    return hashlib.sha256(canonical_json(request.model_dump(mode="json")).encode()).hexdigest()
+
+
+def _replay(*, session: Session, key: str, request_sha: str) -> Run | None:
+    """The run an earlier request with this Idempotency-Key created, if any."""
+    run = session.scalars(select(Run).where(Run.idempotency_key == key)).one_or_none()
+    if run is not None and run.request_sha256 != request_sha:
+        raise ApiError(
+            409,
+            "idempotency_conflict",
+            f"Idempotency-Key {key!r} was already used for run {run.id} with a different "
+            "request body; send the same body to get that run, or use a new key",
+            {"run_id": run.id},
+        )
+    return run
+
+
+def resolve_local_path(path: str, *, data_root: Path) -> str:
+    p = Path(path).expanduser()
+    return str((p if p.is_absolute() else data_root / p).resolve())
+
+
+def create_run(
+    *,
+    session: Session,
+    request: RunCreate,
+    idempotency_key: str | None,
+    data_root: Path,
+    default_max_restarts: int,
+) -> tuple[Run, bool]:
+    """Create a run (or return the one this Idempotency-Key already created) and commit.
+    Returns (run, created). The first attempt's outbox row is left for the dispatcher."""
+    request_sha = request_sha256(request)
+    if idempotency_key is not None:
+        existing = _replay(session=session, key=idempotency_key, request_sha=request_sha)
+        if existing is not None:
+            return existing, False
+
+    if request.workflow is not None:
+        spec = parse_workflow(request.workflow, data_root=data_root)
+    else:
+        assert request.workflow_id is not None
+        stored = get_workflow(session=session, workflow_id=request.workflow_id)
+        spec = parse_workflow(stored.spec, data_root=data_root)
+    initial = (
+        None
+        if request.initial_checkpoint is None
+        else resolve_local_path(request.initial_checkpoint, data_root=data_root)
+    )
+    digests = resolve_digests(spec, initial_checkpoint=initial)
+    signature = compute_signature(workflow=spec, digests=digests, initial_checkpoint=initial)
+    run_plan = plan(spec)
+
+    workflow, _ = save_workflow(session=session, spec=spec)
+    run = Run(
+        id=new_run_id(),
+        workflow_id=workflow.id,
+        name=request.name or spec.name,
+        status="queued",
+        signature=signature.sha256,
+        signature_components=signature.components,
+        plan=run_plan.model_dump(mode="json"),
+        initial_checkpoint=initial,
+        phase_index=0,
+        step=0,
+        total_steps=run_plan.total_steps,
+        idempotency_key=idempotency_key,
+        request_sha256=request_sha if idempotency_key is not None else None,
+        max_restarts=(
+            default_max_restarts if request.max_restarts is None else request.max_restarts
+        ),
+    )
+    session.add(run)
+    try:
+        session.flush()
+        add_attempt(session=session, run=run, phase_index=0)
+        session.commit()
+    except IntegrityError:
+        # Two requests with one Idempotency-Key raced; the other one's run is the answer.
+        session.rollback()
+        if idempotency_key is not None:
+            existing = _replay(session=session, key=idempotency_key, request_sha=request_sha)
+            if existing is not None:
+                return existing, False
+        raise
+    return run, True
+
+
+def get_run(*, session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise not_found("run", run_id, "list runs with GET /runs")
+    return run
+
+
+def list_runs(*, session: Session, limit: int, status: RunStatus | None) -> tuple[list[Run], int]:
+    """Newest first; also the number of runs matching `status` (all pages)."""
+    query = select(Run)
+    count = select(func.count()).select_from(Run)
+    if status is not None:
+        query = query.where(Run.status == status)
+        count = count.where(Run.status == status)
+    runs = list(session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit)))
+    return runs, session.scalar(count) or 0
+
+
+def runs_public(*, session: Session, runs: list[Run]) -> list[RunPublic]:
+    """Public views of runs, with attempts and latest checkpoints loaded in two queries."""
+    ids = [run.id for run in runs]
+    attempts: dict[str, list[Attempt]] = defaultdict(list)
+    latest: dict[str, Checkpoint] = {}
+    if ids:
+        for attempt in session.scalars(
+            select(Attempt).where(Attempt.run_id.in_(ids)).order_by(Attempt.number)
+        ):
+            attempts[attempt.run_id].append(attempt)
+        newest = (
+            select(Checkpoint.run_id, func.max(Checkpoint.step).label("step"))
+            .where(Checkpoint.run_id.in_(ids))
+            .group_by(Checkpoint.run_id)
+            .subquery()
+        )
+        for checkpoint in session.scalars(
+            select(Checkpoint).join(
+                newest,
+                (Checkpoint.run_id == newest.c.run_id) & (Checkpoint.step == newest.c.step),
+            )
+        ):
+            latest[checkpoint.run_id] = checkpoint
+    return [_run_public(run, attempts[run.id], latest.get(run.id)) for run in runs]
+
+
+def run_public(*, session: Session, run: Run) -> RunPublic:
+    return runs_public(session=session, runs=[run])[0]
+
+
+def _run_public(run: Run, attempts: list[Attempt], latest: Checkpoint | None) -> RunPublic:
+    run_plan = Plan.model_validate(run.plan)
+    phase = (
+        run_plan.phases[run.phase_index].name
+        if 0 <= run.phase_index < len(run_plan.phases)
+        else None
+    )
+    return RunPublic(
+        id=run.id,
+        name=run.name,
+        workflow_id=run.workflow_id,
+        status=cast(RunStatus, run.status),
+        cause=run.cause,
+        message=run.message,
+        phase=phase,
+        phase_index=run.phase_index,
+        step=run.step,
+        total_steps=run.total_steps,
+        signature=run.signature,
+        plan=run_plan,
+        initial_checkpoint=run.initial_checkpoint,
+        latest_checkpoint=None if latest is None else CheckpointSummary.model_validate(latest),
+        attempts=[AttemptPublic.model_validate(a) for a in attempts],
+        restarts=restarts_used(attempts),
+        max_restarts=run.max_restarts,
+        created_at=run.created_at,
+        updated_at=run.updated_at,
+        finished_at=run.finished_at,
+    )

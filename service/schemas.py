@@ -1,0 +1,111 @@
+"""What the public API accepts and answers (the worker protocol lives in contracts.reports)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from contracts.workflow import Plan
+from service.models import RunStatus
+
+MAX_RUNS_PAGE = 500
+
+
+class Status(BaseModel):
+    status: str
+
+
+class WorkflowValidation(BaseModel):
+    valid: bool
+    plan: Plan
+
+
+class WorkflowPublic(BaseModel):
+    id: str
+    name: str
+    workflow: dict[str, Any]
+    plan: Plan
+    created_at: datetime
+
+
+class RunCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    workflow: dict[str, Any] | None = None
+    workflow_id: str | None = None
+    # A local file or directory the service can read; relative paths resolve against data_root.
+    initial_checkpoint: str | None = None
+    name: str | None = Field(None, min_length=1, max_length=200)
+    # Restarts allowed after preemptions or lost workers; default: TRAINCTL_MAX_PREEMPTIONS.
+    max_restarts: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_workflow(self) -> RunCreate:
+        if (self.workflow is None) == (self.workflow_id is None):
+            raise ValueError('give exactly one of "workflow" (a document) or "workflow_id"')
+        return self
+
+
+class CheckpointSummary(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    step: int
+    path: str
+    phase_index: int
+
+
+class CheckpointPublic(CheckpointSummary):
+    phase_step: int
+    attempt_id: str
+    created_at: datetime
+
+
+class CheckpointsPublic(BaseModel):
+    checkpoints: list[CheckpointPublic]
+    count: int
+
+
+class AttemptPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    number: int
+    phase_index: int
+    status: str
+    worker_hostname: str | None
+    worker_pid: int | None
+    claimed_at: datetime | None
+    heartbeat_at: datetime | None
+    finished_at: datetime | None
+    cause: str | None
+    message: str | None
+
+
+class RunPublic(BaseModel):
+    id: str
+    name: str
+    workflow_id: str
+    status: RunStatus
+    cause: str | None
+    message: str | None
+    phase: str | None
+    phase_index: int
+    step: int
+    total_steps: int
+    signature: str
+    plan: Plan
+    initial_checkpoint: str | None
+    latest_checkpoint: CheckpointSummary | None
+    attempts: list[AttemptPublic]
+    restarts: int
+    max_restarts: int
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+class RunsPublic(BaseModel):
+    runs: list[RunPublic]
+    count: int

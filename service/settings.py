@@ -1,0 +1,84 @@
+"""The service's settings, read from the environment (prefix `TRAINCTL_`) in one place.
+
+Defaults describe the embedded setup: everything under `TRAINCTL_HOME` (a SQLite database, a
+filesystem broker, the artifact store). Production points `database_url` at Postgres and
+`broker_url` at Redis; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from contracts.dispatch import DEFAULT_QUEUE
+
+DEFAULT_HOME = "~/.trainctl"
+_DATABASE_SCHEMES = ("sqlite:", "postgresql:", "postgresql+psycopg:", "postgres:")
+_BROKER_SCHEMES = ("filesystem:", "redis:", "rediss:", "amqp:", "memory:")
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINCTL_", extra="ignore")
+
+    home: Path = Path(DEFAULT_HOME)
+    # The next three default to places under `home` (filled in by _derive_from_home).
+    database_url: str = ""
+    broker_url: str = ""
+    artifact_root: Path = Path()
+    api_url: str = "http://127.0.0.1:8600"
+    queue: str = Field(default=DEFAULT_QUEUE, min_length=1)
+    # Relative paths in submitted workflows resolve against this directory.
+    data_root: Path = Field(default_factory=Path.cwd)
+    lease_seconds: float = Field(default=60.0, gt=0)
+    outbox_interval_seconds: float = Field(default=2.0, gt=0)
+    max_preemptions: int = Field(default=10, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_from_home(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        home = Path(data.get("home") or DEFAULT_HOME).expanduser()
+        data = dict(data)
+        if not data.get("database_url"):
+            data["database_url"] = f"sqlite:///{home.resolve() / 'trainctl.db'}"
+        if not data.get("broker_url"):
+            data["broker_url"] = f"filesystem://{home.resolve() / 'broker'}"
+        if not data.get("artifact_root"):
+            data["artifact_root"] = home / "artifacts"
+        return data
+
+    @field_validator("home", "data_root", "artifact_root")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str) -> str:
+        if not value.startswith(_DATABASE_SCHEMES):
+            raise ValueError(
+                f"TRAINCTL_DATABASE_URL {value!r} is not supported; use "
+                "postgresql+psycopg://user@host/db or sqlite:///path/to/file.db"
+            )
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _check_broker_url(cls, value: str) -> str:
+        if not value.startswith(_BROKER_SCHEMES):
+            raise ValueError(
+                f"TRAINCTL_BROKER_URL {value!r} is not supported; use redis://host:6379/0 "
+                "or filesystem:///path/to/folder"
+            )
+        return value
+
+    @field_validator("api_url")
+    @classmethod
+    def _check_api_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"TRAINCTL_API_URL {value!r} must start with http:// or https://")
+        return value.rstrip("/")

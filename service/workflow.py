@@ -1,0 +1,78 @@
+"""Workflows: parse with paths resolved, store content-addressed."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from contracts.signature import canonical_json
+from contracts.workflow import Workflow as WorkflowSpec
+from contracts.workflow import WorkflowInvalid, plan, resolve_paths, validate_workflow
+from service.db import insert_for
+from service.errors import ApiError, not_found
+from service.models import Workflow, utcnow
+from service.schemas import WorkflowPublic
+
+
+def parse_workflow(doc: Any, *, data_root: Path) -> WorkflowSpec:
+    """Validate a submitted document, relative paths resolved against `data_root`.
+    422 `invalid_workflow` lists every problem as `{path, message}`."""
+    if isinstance(doc, dict):
+        doc = resolve_paths(doc, data_root)
+    try:
+        return validate_workflow(doc)
+    except WorkflowInvalid as err:
+        count = len(err.problems)
+        raise ApiError(
+            422,
+            "invalid_workflow",
+            f"the workflow has {count} problem{'s' if count != 1 else ''}: {err}",
+            [p.model_dump() for p in err.problems],
+        ) from None
+
+
+def workflow_id_of(spec: WorkflowSpec) -> str:
+    """SHA-256 of the canonical normalised document: equal content, equal id."""
+    return hashlib.sha256(canonical_json(spec.normalized()).encode()).hexdigest()
+
+
+def save_workflow(*, session: Session, spec: WorkflowSpec) -> tuple[Workflow, bool]:
+    """Insert the workflow unless its id exists (safe under concurrent submissions); returns the
+    row and whether this call created it. Does not commit."""
+    workflow_id = workflow_id_of(spec)
+    stmt = (
+        insert_for(session, Workflow)
+        .values(id=workflow_id, name=spec.name, spec=spec.normalized(), created_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["id"])
+        .returning(Workflow.id)
+    )
+    # RETURNING, not rowcount: an ORM-level INSERT does not report a reliable rowcount.
+    created = session.execute(stmt).first() is not None
+    row = session.get(Workflow, workflow_id)
+    assert row is not None
+    return row, created
+
+
+def get_workflow(*, session: Session, workflow_id: str) -> Workflow:
+    row = session.get(Workflow, workflow_id)
+    if row is None:
+        raise not_found("workflow", workflow_id, "submit it with POST /workflows")
+    return row
+
+
+def stored_spec(workflow: Workflow) -> WorkflowSpec:
+    """The stored, already-normalised document (its files may live elsewhere: not checked)."""
+    return WorkflowSpec.model_validate(workflow.spec)
+
+
+def workflow_public(workflow: Workflow) -> WorkflowPublic:
+    return WorkflowPublic(
+        id=workflow.id,
+        name=workflow.name,
+        workflow=workflow.spec,
+        plan=plan(stored_spec(workflow)),
+        created_at=workflow.created_at,
+    )

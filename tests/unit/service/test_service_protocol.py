@@ -1,0 +1,124 @@
+"""Pure pieces of the run and attempt logic: restarts, digests, error paths, file hashing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from contracts.signature import Digests, compute_signature, sha256_path
+from contracts.workflow import validate_workflow
+from service.attempt import digests_of, finite_or_none, restarts_used
+from service.digest import clear_digest_cache, digest_path
+from service.errors import ApiError, validation_details
+from service.models import Attempt
+from service.workflow import parse_workflow, workflow_id_of
+
+
+def attempt(phase_index: int) -> Attempt:
+    return Attempt(phase_index=phase_index)
+
+
+def test_restarts_count_attempts_beyond_the_first_of_each_phase() -> None:
+    assert restarts_used([]) == 0
+    assert restarts_used([attempt(0), attempt(1), attempt(2)]) == 0
+    assert restarts_used([attempt(0), attempt(0), attempt(1), attempt(1), attempt(1)]) == 3
+
+
+def test_non_finite_values_are_stored_as_null() -> None:
+    assert finite_or_none(float("nan")) is None
+    assert finite_or_none(float("-inf")) is None
+    assert finite_or_none(0.25) == 0.25
+
+
+def workflow_doc(tmp_path: Path) -> dict[str, object]:
+    (tmp_path / "tok.json").write_text("{}")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    return {
+        "name": "w",
+        "model": {"config": {"vocab_size": 10}},
+        "tokenizer": "tok.json",
+        "microbatch_tokens": 8,
+        "phases": [
+            {
+                "name": "p",
+                "objective": "continued_pretrain",
+                "data": [{"path": "a.jsonl"}],
+                "sequence_length": 4,
+                "microbatch_size": 2,
+                "steps": 3,
+            }
+        ],
+    }
+
+
+def test_digests_round_trip_through_the_stored_signature_components(tmp_path: Path) -> None:
+    spec = validate_workflow(workflow_doc(tmp_path), check_files=False)
+    digests = Digests(tokenizer="t" * 64, data={"/a.jsonl": "d" * 64}, initial_checkpoint="c" * 64)
+    signature = compute_signature(workflow=spec, digests=digests, initial_checkpoint="/ck")
+    assert digests_of(signature.components) == digests
+
+
+def test_relative_paths_resolve_against_the_data_root(tmp_path: Path) -> None:
+    spec = parse_workflow(workflow_doc(tmp_path), data_root=tmp_path)
+    assert spec.tokenizer == str(tmp_path / "tok.json")
+    assert spec.phases[0].data[0].path == str(tmp_path / "a.jsonl")
+    # Content-addressed: the same document is the same id; another seed is another.
+    again = parse_workflow(workflow_doc(tmp_path), data_root=tmp_path)
+    assert workflow_id_of(spec) == workflow_id_of(again)
+    other = parse_workflow({**workflow_doc(tmp_path), "seed": 3}, data_root=tmp_path)
+    assert workflow_id_of(other) != workflow_id_of(spec)
+
+
+def test_invalid_workflow_lists_every_problem_with_its_path(tmp_path: Path) -> None:
+    doc = workflow_doc(tmp_path)
+    doc["tokenizer"] = "missing.json"
+    doc["microbatch_tokens"] = 16
+    with pytest.raises(ApiError) as caught:
+        parse_workflow(doc, data_root=tmp_path)
+    assert caught.value.status == 422
+    assert caught.value.code == "invalid_workflow"
+    assert {d["path"] for d in caught.value.details} == {"tokenizer", "phases[0]"}
+
+
+def test_validation_details_use_json_paths() -> None:
+    errors = [
+        {"loc": ("body", "phases", 2, "steps"), "msg": "too small", "type": "x"},
+        {"loc": ("query", "limit"), "msg": "bad", "type": "x"},
+        {"loc": ("body",), "msg": "Value error, give one", "type": "value_error"},
+        {"loc": ("body", "name"), "msg": "Field required", "type": "missing"},
+    ]
+    assert validation_details(errors) == [
+        {"path": "phases[2].steps", "message": "too small"},
+        {"path": "query.limit", "message": "bad"},
+        {"path": "$", "message": "give one"},
+        {"path": "name", "message": "is required"},
+    ]
+
+
+def test_digest_cache_rehashes_only_when_size_or_mtime_change(tmp_path: Path) -> None:
+    clear_digest_cache()
+    path = tmp_path / "data.jsonl"
+    path.write_text("one\n")
+    first = digest_path(path)
+    assert first == sha256_path(path)
+    stat = path.stat()
+    # Same size and mtime: the cached digest answers (proof: the content changed unseen).
+    path.write_text("two\n")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert digest_path(path) == first
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert digest_path(path) == sha256_path(path) != first
+
+
+def test_directory_digest_matches_the_contract_and_sees_new_files(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    before = digest_path(model)
+    assert before == sha256_path(model)
+    (model / "weights.safetensors").write_bytes(b"w")
+    assert digest_path(model) == sha256_path(model) != before
+    with pytest.raises(FileNotFoundError):
+        digest_path(tmp_path / "missing")
