@@ -18,19 +18,18 @@ console = Console()
 
 
 def eval_table(answer: dict[str, Any]) -> Table:
-    table = Table(title="per-task evaluation (target-only perplexity)")
-    for column in ("task", "baseline ppl", "final ppl", "best ppl", "change", "target tokens"):
-        table.add_column(column, justify="right" if column != "task" else "left")
+    table = Table(title="per-task evaluation: target-only perplexity")
+    table.add_column("task", no_wrap=True)
+    for column in ("baseline", "final @step", "best @step", "change"):
+        table.add_column(column, justify="right", no_wrap=True)
     for task, summary in sorted(answer["tasks"].items()):
         base, latest, best = summary.get("baseline"), summary["latest"], summary["best"]
-        change = f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
         table.add_row(
             task,
             f"{base['perplexity']:.2f}" if base else "-",
-            f"{latest['perplexity']:.2f} @ {latest['step']}",
-            f"{best['perplexity']:.2f} @ {best['step']}",
-            change,
-            f"{latest['target_tokens']:,}",
+            f"{latest['perplexity']:.2f} @{latest['step']}",
+            f"{best['perplexity']:.2f} @{best['step']}",
+            f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-",
         )
     return table
 

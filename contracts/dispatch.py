@@ -15,18 +15,25 @@ DEFAULT_QUEUE = "trainctl"
 FILESYSTEM_POLL_SECONDS = 0.1
 
 
+# The URL scheme under which contracts.broker's atomic filesystem transport is registered.
+EMBEDDED_SCHEME = "trainctl-filesystem"
+
+
 def broker_options(broker_url: str) -> tuple[str, dict[str, Any]]:
     """(Celery broker URL, transport options). `filesystem:///some/dir` is the embedded broker:
     every process pointing at the same folder shares one queue, no server needed."""
     if not broker_url.startswith("filesystem://"):
         return broker_url, {}
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.setdefault(EMBEDDED_SCHEME, "contracts.broker:Transport")
     folder = Path(broker_url.removeprefix("filesystem://"))
     queue = folder / "queue"
     processed = folder / "processed"
     control = folder / "control"  # exchange tables; kombu's default is ./control in the cwd
     for path in (queue, processed, control):
         path.mkdir(parents=True, exist_ok=True)
-    return "filesystem://", {
+    return f"{EMBEDDED_SCHEME}://", {
         "data_folder_in": str(queue),
         "data_folder_out": str(queue),
         "processed_folder": str(processed),

@@ -1,0 +1,134 @@
+"""Real processes for the end-to-end tests: `trainctl serve|up|worker` as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cli.stack import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "workflows" / "demo.json"
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def short_demo_workflow(*, pretrain_steps: int = 10, sft_steps: int = 6) -> dict[str, Any]:
+    """The demo workflow cut to three phases and a few steps, with absolute paths."""
+    from contracts.workflow import resolve_paths
+
+    doc = resolve_paths(json.loads(DEMO.read_text()), DEMO.parent)
+    pretrain, summarize, *_, planning = doc["phases"]
+    doc["phases"] = [
+        {**pretrain, "steps": pretrain_steps, "schedule": {"kind": "wsd", "warmup_steps": 2}},
+        {**summarize, "steps": sft_steps, "schedule": {"kind": "cosine", "warmup_steps": 1}},
+        {**planning, "steps": sft_steps, "schedule": {"kind": "cosine", "warmup_steps": 1}},
+    ]
+    doc["checkpoint"] = {"every_steps": 5, "keep_last": 2}
+    doc["evals"] = [{**e, "every_steps": 5} for e in doc["evals"]]
+    return doc
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """The test's environment for a child, without the caller's own TRAINCTL_* settings."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TRAINCTL_")}
+    return {**inherited, "PYTHONUNBUFFERED": "1", **env}
+
+
+class Proc:
+    """A `python -m cli ...` child in its own process group, its output in a log file."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "cli", *args],
+            env=child_env(env),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+            except ProcessLookupError:
+                pass
+        self._out.close()
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def processes() -> Iterator[list[Proc]]:
+    """Collects started processes and stops them all, printing their logs on failure."""
+    started: list[Proc] = []
+    try:
+        yield started
+    except BaseException:
+        for proc in started:
+            print(f"--- {proc.log.name} ---\n{proc.tail()}")
+        raise
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+def start_api(
+    args: list[str], *, env: dict[str, str], log: Path, procs: list[Proc]
+) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc([*args, "--port", str(port)], env=env, log=log)
+    procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=90, process=proc.popen)
+    except RuntimeError as err:
+        raise AssertionError(f"{err}\n{proc.tail()}") from err
+    return proc, url
+
+
+def run_cli(args: list[str], *, env: dict[str, str], timeout: float = 120) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", *args],
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, f"trainctl {' '.join(args)}: {result.stderr}{result.stdout}"
+    return result.stdout
+
+
+def wait_for_run(
+    api: httpx.Client, run_id: str, *, timeout: float, procs: list[Proc]
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = api.get(f"/runs/{run_id}").json()
+        if run["status"] in TERMINAL:
+            return run
+        for proc in procs:
+            if proc.popen.poll() is not None:
+                raise AssertionError(f"{proc.log.name} exited early:\n{proc.tail()}")
+        time.sleep(0.5)
+    raise AssertionError(f"run {run_id} did not finish in {timeout} s: {run}")

@@ -1,0 +1,218 @@
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from contracts.workflow import OptimizerSpec, Workflow
+from worker.checkpoint import (
+    MANIFEST,
+    MODEL_WEIGHTS,
+    OPTIMIZER,
+    RNG,
+    STATE,
+    CheckpointState,
+    apply_retention,
+    capture_rng,
+    find_latest_complete,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from worker.error import CheckpointError
+from worker.model import EOS_TOKEN, PAD_TOKEN, build_model, load_weights
+from worker.optim import Optimizers, build_optimizers
+
+
+@pytest.fixture
+def workflow(
+    make_workflow: Callable[..., Workflow], make_text_file: Callable[..., Path]
+) -> Workflow:
+    return make_workflow(
+        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 9}]
+    )
+
+
+def trained(workflow: Workflow) -> tuple[PreTrainedModel, Optimizers]:
+    model = build_model(workflow, torch.device("cpu"))
+    optimizers = build_optimizers(model, OptimizerSpec())
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizers.step()
+    optimizers.zero_grad()
+    return model, optimizers
+
+
+def state_at(step: int, optimizers: Optimizers) -> CheckpointState:
+    return CheckpointState(
+        step=step,
+        phase_index=0,
+        phase_name="pt",
+        phase_step=step,
+        tokens_seen=128 * step,
+        signature="sig",
+        attempt_id="attempt-1",
+        groups=optimizers.group_names(),
+    )
+
+
+def save(
+    directory: Path, step: int, model: PreTrainedModel, tokenizer: Tokenizer, optimizers: Optimizers
+) -> Path:
+    return save_checkpoint(
+        directory=directory,
+        model=model,
+        tokenizer=tokenizer,
+        optimizers=optimizers,
+        state=state_at(step, optimizers),
+    )
+
+
+def test_checkpoint_roundtrip_restores_every_part(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    torch.manual_seed(11)
+    np.random.seed(12)
+    random.seed(13)
+    path = save(tmp_path / "checkpoints", 3, model, tokenizer, optimizers)
+    expected_draws = (torch.rand(3), np.random.rand(3), random.random())
+
+    assert path == tmp_path / "checkpoints" / "step-00000003"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step-00000003"]  # no temporaries
+    loaded = load_checkpoint(path)
+    assert loaded.state == state_at(3, optimizers)
+
+    fresh = build_model(workflow, torch.device("cpu"))
+    load_weights(fresh, path)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    restored = build_optimizers(fresh, OptimizerSpec())
+    restored.load_state_dict(loaded.optimizer)
+    params = dict(fresh.named_parameters())
+    for name in optimizers.adamw_names:
+        assert torch.equal(
+            restored.adamw.state[params[name]]["exp_avg_sq"],
+            optimizers.adamw.state[dict(model.named_parameters())[name]]["exp_avg_sq"],
+        )
+
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    restore_rng(loaded.rng)
+    draws = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(draws[0], expected_draws[0])
+    assert np.array_equal(draws[1], expected_draws[1])
+    assert draws[2] == expected_draws[2]
+
+
+def test_parts_load_without_unpickling_code(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    path = save(tmp_path, 1, model, tokenizer, optimizers)
+    for part in (OPTIMIZER, RNG):
+        torch.load(
+            path / part, weights_only=True
+        )  # raises on anything but tensors and plain values
+    state = json.loads((path / STATE).read_text())
+    assert state["groups"] == {"muon": optimizers.muon_names, "adamw": optimizers.adamw_names}
+
+
+def test_step_directory_loads_with_plain_transformers(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    path = save(tmp_path, 5, model, tokenizer, optimizers)
+
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    auto = AutoTokenizer.from_pretrained(path)
+    assert auto.eos_token == EOS_TOKEN and auto.eos_token_id == tokenizer.token_to_id(EOS_TOKEN)
+    assert auto.pad_token == PAD_TOKEN and auto.pad_token_id == tokenizer.token_to_id(PAD_TOKEN)
+    text = "the cat sat on the mat"
+    assert (
+        auto(text, add_special_tokens=False).input_ids
+        == tokenizer.encode(text, add_special_tokens=False).ids
+    )
+
+
+def test_manifest_lists_every_file_and_detects_a_corrupted_one(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    older = save(tmp_path, 1, model, tokenizer, optimizers)
+    newer = save(tmp_path, 2, model, tokenizer, optimizers)
+    manifest = json.loads((newer / MANIFEST).read_text())
+    on_disk = sorted(p.relative_to(newer).as_posix() for p in newer.rglob("*") if p.is_file())
+    assert sorted(manifest["files"]) == [f for f in on_disk if f != MANIFEST]
+    verify_checkpoint(newer)
+    assert find_latest_complete(tmp_path) == newer
+
+    weights = newer / MODEL_WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF  # same size, different content
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{MODEL_WEIGHTS} has SHA-256"):
+        verify_checkpoint(newer)
+    with pytest.raises(CheckpointError):
+        load_checkpoint(newer)
+    assert find_latest_complete(tmp_path) == older
+
+
+def test_a_checkpoint_without_manifest_is_incomplete(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    older = save(tmp_path, 1, model, tokenizer, optimizers)
+    newer = save(tmp_path, 2, model, tokenizer, optimizers)
+    (newer / MANIFEST).unlink()  # as if killed before the manifest was written
+    with pytest.raises(CheckpointError, match="incomplete"):
+        verify_checkpoint(newer)
+    assert find_latest_complete(tmp_path) == older
+    (older / RNG).unlink()
+    assert find_latest_complete(tmp_path) is None
+
+
+def test_saving_a_step_again_replaces_it(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    directory = tmp_path / "checkpoints"
+    first = save(directory, 4, model, tokenizer, optimizers)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    second = save(directory, 4, model, tokenizer, optimizers)
+    assert first == second
+    verify_checkpoint(second)
+    name, param = next(iter(model.named_parameters()))
+    assert torch.equal(load_file(second / MODEL_WEIGHTS)[name], param.detach())
+    assert [p.name for p in directory.iterdir()] == ["step-00000004"]
+
+
+def test_retention_keeps_the_newest_and_each_phase_final(tmp_path: Path) -> None:
+    for step in range(1, 10):
+        (tmp_path / f"step-{step:08d}").mkdir()
+    deleted = apply_retention(tmp_path, keep_last=2, keep_steps=[3, 6])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000003",
+        "step-00000006",
+        "step-00000008",
+        "step-00000009",
+    ]
+    assert len(deleted) == 5
+
+
+def test_rng_capture_is_plain_data(tmp_path: Path) -> None:
+    torch.save(capture_rng(), tmp_path / "rng.pt")
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))

@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from contracts.reports import Claim
+from contracts.signature import sha256_path
+from contracts.workflow import Workflow
+from worker.client import ServiceClient, ServiceUnavailable
+from worker.runner import run_attempt
+from worker.settings import WorkerSettings
+
+
+class InProcessService:
+    """Answers the internal API the way the service does, and records every request. It owns
+    no database: the runner is tested against the HTTP contract, not the service's storage."""
+
+    def __init__(self, claim: Claim | None, *, stop_after_heartbeats: int | None = None) -> None:
+        self.claim = claim
+        self.stop_after_heartbeats = stop_after_heartbeats
+        self.superseded_on: str | None = None
+        self.unavailable_on: str | None = None
+        self.posts: list[tuple[str, dict[str, Any]]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        kind = request.url.path.rsplit("/", 1)[-1]
+        body = json.loads(request.content)
+        self.posts.append((kind, body))
+        if kind == self.superseded_on:
+            return conflict("superseded")
+        if kind == self.unavailable_on:
+            return httpx.Response(503, json={"error": {"code": "down", "message": "restarting"}})
+        if kind == "claim":
+            if self.claim is None:
+                return conflict("already_claimed")
+            return httpx.Response(200, json=self.claim.model_dump(mode="json"))
+        if kind == "heartbeat":
+            beats = len(self.of("heartbeat"))
+            stop = self.stop_after_heartbeats is not None and beats >= self.stop_after_heartbeats
+            return httpx.Response(
+                200, json={"action": "stop" if stop else "continue", "lease_seconds": 60}
+            )
+        if kind == "metrics":
+            return httpx.Response(200, json={"accepted": len(body["points"])})
+        return httpx.Response(200, json={"accepted": 1})
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [body for k, body in self.posts if k == kind]
+
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.posts]
+
+
+def conflict(code: str) -> httpx.Response:
+    return httpx.Response(409, json={"error": {"code": code, "message": code, "details": None}})
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> WorkerSettings:
+    return WorkerSettings(home=tmp_path / "home", device="cpu", heartbeat_seconds=0)
+
+
+@pytest.fixture
+def workflow(
+    make_workflow: Callable[..., Workflow], make_pairs_file: Callable[..., Path]
+) -> Workflow:
+    return make_workflow(
+        [{"name": "sft", "objective": "qa_reasoning", "data": [make_pairs_file()], "steps": 3}],
+        evals=[{"task": "qa_reasoning", "data": make_pairs_file("eval.jsonl", seed=4)}],
+    )
+
+
+def attempt(service: InProcessService, settings: WorkerSettings) -> Any:
+    client = ServiceClient(
+        "http://service", "token", transport=httpx.MockTransport(service), backoff_seconds=0
+    )
+    return run_attempt("attempt-1", settings=settings, client=client)
+
+
+def test_a_successful_attempt_reports_everything_then_finishes(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    service = InProcessService(make_claim(workflow))
+    outcome = attempt(service, settings)
+
+    assert outcome.status == "succeeded"
+    assert service.kinds()[0] == "claim" and service.kinds()[-1] == "finish"
+    (finish,) = service.of("finish")
+    assert finish == {
+        "fencing_token": 7,
+        "status": "succeeded",
+        "step": 3,
+        "cause": None,
+        "message": None,
+    }
+    points = [p for batch in service.of("metrics") for p in batch["points"]]
+    assert sorted({p["step"] for p in points}) == [1, 2, 3]
+    assert all(b["fencing_token"] == 7 for k, b in service.posts if k != "claim")
+    assert [r["step"] for batch in service.of("evals") for r in batch["results"]] == [0, 3]
+    (checkpoint,) = service.of("checkpoints")
+    assert checkpoint["checkpoint"]["step"] == 3
+    assert len(service.of("heartbeat")) == 2  # after steps 1 and 2 (heartbeat_seconds=0)
+
+
+def test_a_duplicate_message_is_dropped(workflow: Workflow, settings: WorkerSettings) -> None:
+    service = InProcessService(None)
+    assert attempt(service, settings) is None
+    assert service.kinds() == ["claim"]
+
+
+def test_a_changed_data_file_refuses_to_train_naming_the_file_and_digests(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    claim = make_claim(workflow)
+    path = workflow.phases[0].data[0].path
+    Path(path).write_text(Path(path).read_text() + '{"source": "new", "target": "record"}\n')
+    service = InProcessService(claim)
+    assert attempt(service, settings) is None
+
+    assert service.kinds() == ["claim", "finish"]
+    (finish,) = service.of("finish")
+    assert finish["status"] == "failed" and finish["cause"] == "signature_mismatch"
+    assert path in finish["message"]
+    assert claim.digests.data[path] in finish["message"]  # the expected digest
+    assert sha256_path(path) in finish["message"]  # and the actual one
+
+
+def test_bad_data_fails_with_cause_data_naming_file_and_line(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    settings: WorkerSettings,
+    tmp_path: Path,
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"source": "a", "target": "b"}\n{"source": "a"}\n')
+    workflow = make_workflow(
+        [{"name": "sft", "objective": "summarization", "data": [bad], "steps": 2}]
+    )
+    service = InProcessService(make_claim(workflow))
+    attempt(service, settings)
+    (finish,) = service.of("finish")
+    assert finish["cause"] == "data"
+    assert f"{bad}:2: missing field 'target'" in finish["message"]
+    assert "attempt attempt-1 of run run-1, phase 0" in finish["message"]
+
+
+def test_a_stop_answer_ends_the_attempt_without_finishing(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    service = InProcessService(make_claim(workflow), stop_after_heartbeats=1)
+    outcome = attempt(service, settings)
+    assert outcome.status == "stopped"
+    assert service.kinds()[-1] == "heartbeat"
+    assert "finish" not in service.kinds() and "checkpoints" not in service.kinds()
+
+
+def test_superseded_while_reporting_stops_without_writing(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    claim = make_claim(workflow)
+    service = InProcessService(claim)
+    service.superseded_on = "metrics"
+    assert attempt(service, settings) is None
+    assert service.kinds()[-1] == "metrics"
+    assert "finish" not in service.kinds()
+    assert not list((Path(claim.artifact_dir) / "checkpoints").glob("step-*"))
+
+
+def test_an_unreachable_service_at_the_end_is_raised_for_celery_to_retry(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    service = InProcessService(make_claim(workflow))
+    service.unavailable_on = "finish"
+    with pytest.raises(ServiceUnavailable, match="503"):
+        attempt(service, settings)
+    assert service.kinds()[-4:] == ["finish"] * 4  # the first try and three retries

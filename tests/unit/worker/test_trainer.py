@@ -1,0 +1,360 @@
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contracts.reports import CheckpointRef, Claim
+from contracts.workflow import Workflow
+from worker.checkpoint import MODEL_WEIGHTS, OPTIMIZER, list_checkpoints, read_state
+from worker.error import NonFiniteLoss, SignatureMismatch
+from worker.model import build_model
+from worker.schedule import lr_multiplier
+from worker.trainer import PhaseOutcome, should_checkpoint, should_eval, train_phase
+
+CPU = torch.device("cpu")
+
+
+def run(claim: Claim, workflow: Workflow, reporter: Any, **kwargs: Any) -> PhaseOutcome:
+    return train_phase(claim=claim, workflow=workflow, reporter=reporter, device=CPU, **kwargs)
+
+
+def weights(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(Path(path) / MODEL_WEIGHTS)
+
+
+def test_checkpoint_and_eval_decisions() -> None:
+    assert [s for s in range(1, 13) if should_checkpoint(s, every=5, last=12)] == [5, 10, 12]
+    assert [s for s in range(0, 13) if should_eval(s, every=4, last=12)] == [0, 4, 8, 12]
+    assert [s for s in range(11, 18) if should_eval(s, every=5, last=17)] == [15, 17]
+
+
+def test_training_makes_the_loss_fall_and_reports_a_baseline_at_step_zero(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 30,
+                "grad_accum": 2,
+                "schedule": {"kind": "cosine", "warmup_steps": 3},
+            }
+        ],
+        evals=[
+            {
+                "task": "continued_pretrain",
+                "data": make_text_file("held.jsonl", seed=9, documents=20),
+                "every_steps": 10,
+            }
+        ],
+        checkpoint={"every_steps": 10, "keep_last": 2},
+    )
+    reporter = make_reporter()
+    outcome = run(make_claim(workflow), workflow, reporter)
+
+    assert outcome.status == "succeeded" and outcome.step == 30
+    assert [(r.step, r.phase) for r in reporter.eval_results] == [
+        (0, "pretrain"),
+        (10, "pretrain"),
+        (20, "pretrain"),
+        (30, "pretrain"),
+    ]
+    baseline, *_, final = reporter.eval_results
+    assert final.cross_entropy < baseline.cross_entropy - 1.0
+    assert final.target_tokens == baseline.target_tokens > 0
+
+    assert sorted(reporter.metrics_by_step) == list(range(1, 31))
+    assert set(reporter.metrics_by_step[1]) == {
+        "loss",
+        "lr",
+        "lr_muon",
+        "grad_norm",
+        "tokens_per_s",
+    }
+    losses = [reporter.metrics_by_step[s]["loss"] for s in range(1, 31)]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0
+    schedule = workflow.phases[0].schedule
+    for step in (1, 3, 17, 30):
+        expected = workflow.optimizer.adamw_lr * lr_multiplier(
+            step, total_steps=30, schedule=schedule
+        )
+        assert reporter.metrics_by_step[step]["lr"] == pytest.approx(expected)
+
+    assert [c.step for c in reporter.checkpoints] == [10, 20, 30]
+    assert outcome.checkpoint == reporter.checkpoints[-1]
+    assert outcome.checkpoint is not None
+    directory = Path(outcome.checkpoint.path).parent
+    assert [step for step, _ in list_checkpoints(directory)] == [30, 20]  # keep_last 2
+    state = read_state(Path(outcome.checkpoint.path))
+    assert (state.step, state.phase_step, state.tokens_seen) == (30, 30, 30 * 2 * 128)
+
+
+def test_resume_matches_the_uninterrupted_run_bit_for_bit(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 10,
+                "grad_accum": 2,
+            }
+        ],
+        model={"attention_dropout": 0.3},
+        checkpoint={"every_steps": 4, "keep_last": 5},
+    )
+    straight_reporter = make_reporter()
+    straight = run(make_claim(workflow, artifact_dir=tmp_path / "a"), workflow, straight_reporter)
+    mid = next(c for c in straight_reporter.checkpoints if c.step == 4)
+
+    # Dropout really draws random numbers in training: without the restored RNG a resumed run
+    # would differ, so this test can fail.
+    model = build_model(workflow, CPU)
+    ids = torch.randint(0, 300, (2, 16))
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+    # A fresh process: every random stream is somewhere else.
+    torch.manual_seed(12345)
+    np.random.seed(123)
+    random.seed(1)
+    resumed_reporter = make_reporter()
+    claim = make_claim(workflow, artifact_dir=tmp_path / "b", resume_from=mid)
+    resumed = run(claim, workflow, resumed_reporter)
+
+    assert sorted(resumed_reporter.metrics_by_step) == list(range(5, 11))
+    for step in range(5, 11):
+        assert (
+            resumed_reporter.metrics_by_step[step]["loss"]
+            == straight_reporter.metrics_by_step[step]["loss"]
+        )
+    assert straight.checkpoint is not None and resumed.checkpoint is not None
+    a, b = weights(straight.checkpoint.path), weights(resumed.checkpoint.path)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    opt_a = torch.load(Path(straight.checkpoint.path) / OPTIMIZER, weights_only=True)
+    opt_b = torch.load(Path(resumed.checkpoint.path) / OPTIMIZER, weights_only=True)
+    for name, state in opt_a["muon"]["state"].items():
+        assert torch.equal(
+            state["momentum_buffer"], opt_b["muon"]["state"][name]["momentum_buffer"]
+        )
+
+
+def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    make_pairs_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 4,
+            },
+            {
+                "name": "sft",
+                "objective": "instruction_tuning",
+                "data": [
+                    make_pairs_file(),
+                    {"path": str(make_text_file("replay.jsonl")), "weight": 0.2},
+                ],
+                "steps": 7,
+                "lr_scale": 0.5,
+            },
+        ],
+        evals=[
+            {
+                "task": "instruction_tuning",
+                "data": make_pairs_file("eval.jsonl", seed=3),
+                "every_steps": 100,
+            }
+        ],
+        checkpoint={"every_steps": 3, "keep_last": 2},
+    )
+    first = run(make_claim(workflow), workflow, make_reporter())
+    assert first.checkpoint is not None and first.checkpoint.step == 4
+
+    reporter = make_reporter()
+    second = run(
+        make_claim(workflow, phase_index=1, resume_from=first.checkpoint), workflow, reporter
+    )
+
+    assert second.status == "succeeded" and second.step == 11
+    assert sorted(reporter.metrics_by_step) == list(range(5, 12))
+    assert [c.step for c in reporter.checkpoints] == [6, 9, 11]
+    assert [c.phase_step for c in reporter.checkpoints] == [2, 5, 7]
+    # Phase 1's evals: at its last step only (no baseline outside the first phase).
+    assert [(r.step, r.phase) for r in reporter.eval_results] == [(11, "sft")]
+    base_lr = workflow.optimizer.adamw_lr * 0.5
+    assert reporter.metrics_by_step[5]["lr"] == pytest.approx(
+        base_lr * lr_multiplier(1, total_steps=7, schedule=workflow.phases[1].schedule)
+    )
+    # Retention keeps phase 0's final checkpoint beside the two newest.
+    directory = Path(second.checkpoint.path).parent  # type: ignore[union-attr]
+    assert [s for s, _ in list_checkpoints(directory)] == [11, 9, 4]
+    state = read_state(directory / "step-00000011")
+    assert (state.phase_index, state.phase_name, state.tokens_seen) == (1, "sft", 11 * 128)
+
+
+def test_initial_checkpoint_supplies_the_starting_weights(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    held_out = make_text_file("held.jsonl", seed=9, documents=10)
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 5,
+            }
+        ],
+        evals=[{"task": "continued_pretrain", "data": held_out}],
+    )
+    first_reporter = make_reporter()
+    first = run(make_claim(workflow, artifact_dir=tmp_path / "a"), workflow, first_reporter)
+    assert first.checkpoint is not None
+    weights_file = tmp_path / "initial.safetensors"
+    shutil.copy(Path(first.checkpoint.path) / MODEL_WEIGHTS, weights_file)
+
+    for initial in (first.checkpoint.path, str(weights_file)):
+        reporter = make_reporter()
+        claim = make_claim(workflow, artifact_dir=tmp_path / "b", initial_checkpoint=initial)
+        run(claim, workflow, reporter)
+        baseline = reporter.eval_results[0]
+        assert baseline.step == 0
+        assert baseline.cross_entropy == first_reporter.eval_results[-1].cross_entropy
+
+
+def test_a_stop_answer_stops_without_writing(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 10,
+            }
+        ],
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    reporter = make_reporter(stop_at=3)
+    outcome = run(make_claim(workflow), workflow, reporter)
+    assert (outcome.status, outcome.step, outcome.checkpoint) == ("stopped", 3, None)
+    assert max(reporter.metrics_by_step) == 3
+    assert [c.step for c in reporter.checkpoints] == [2]
+
+
+def test_preemption_checkpoints_at_once(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 10,
+            }
+        ],
+        checkpoint={"every_steps": 100, "keep_last": 2},
+    )
+    reporter = make_reporter()
+    outcome = run(
+        make_claim(workflow),
+        workflow,
+        reporter,
+        stop_requested=lambda: len(reporter.metrics_by_step) >= 3,
+    )
+    assert (outcome.status, outcome.step) == ("preempted", 3)
+    assert [c.step for c in reporter.checkpoints] == [3]
+    assert outcome.checkpoint == reporter.checkpoints[0]
+
+
+def test_a_non_finite_loss_fails_with_cause_nan(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 5,
+            }
+        ],
+        optimizer={"adamw_lr": 1e30, "muon_lr": 1e30},
+    )
+    reporter = make_reporter()
+    with pytest.raises(
+        NonFiniteLoss, match=r"non-finite .* at step 2 \(phase 'pretrain'\)"
+    ) as caught:
+        run(make_claim(workflow), workflow, reporter)
+    assert caught.value.cause == "nan"
+    assert list(reporter.metrics_by_step) == [1] and reporter.checkpoints == []
+
+
+def test_a_checkpoint_of_another_run_is_refused(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 4,
+            }
+        ],
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    reporter = make_reporter()
+    run(make_claim(workflow), workflow, reporter)
+    ref: CheckpointRef = reporter.checkpoints[0]
+    with pytest.raises(SignatureMismatch, match="signature"):
+        run(
+            make_claim(workflow, resume_from=ref, signature="another-run"),
+            workflow,
+            make_reporter(),
+        )

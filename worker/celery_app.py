@@ -1,0 +1,63 @@
+"""The worker's Celery app. A message carries only an attempt id; the service's database is
+the truth, and the claim decides who works on what."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from celery import Celery
+
+from contracts.dispatch import broker_options
+from worker.settings import WorkerSettings, get_settings
+
+# Redis redelivers a message not acknowledged within this time to another worker. Messages
+# are acknowledged when the task ends (acks_late) and a phase may train for hours, so it is
+# longer than any phase; a duplicate delivery would in any case lose the claim and be dropped.
+VISIBILITY_TIMEOUT_SECONDS = 12 * 3600
+
+
+class WorkerApp(Celery):
+    """The Celery app together with the settings it was configured from, which its tasks use."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__("trainctl-worker", include=["worker.tasks"])
+        self.settings = settings
+        self.configure(settings)
+
+    def configure(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        broker_url, transport_options = broker_options(settings.broker_url)
+        self.conf.update(
+            broker_url=broker_url,
+            # Transports ignore options they do not know (the filesystem one has no timeout).
+            broker_transport_options={
+                **transport_options,
+                "visibility_timeout": VISIBILITY_TIMEOUT_SECONDS,
+            },
+            broker_connection_retry_on_startup=True,
+            task_default_queue=settings.queue,
+            # Acknowledge when the task ends, not when it starts: a worker that dies mid-phase
+            # leaves its message to be delivered again (the claim then drops the duplicate).
+            task_acks_late=True,
+            # ...including when the process running it is killed (SIGKILL, OOM killer).
+            task_reject_on_worker_lost=True,
+            # One process is one training slot: reserve no message that another idle worker
+            # could start now.
+            worker_prefetch_multiplier=1,
+            # Task arguments are ids; JSON only, never pickle from the broker.
+            task_serializer="json",
+            result_serializer="json",
+            accept_content=["json"],
+            # Outcomes are reported to the service over HTTP; there is no result backend.
+            task_ignore_result=True,
+        )
+
+
+app = WorkerApp(get_settings())
+
+
+def start_worker(settings: WorkerSettings, extra_args: Sequence[str] = ()) -> None:
+    """Run a worker process in the foreground until it is stopped. The solo pool trains in this
+    very process: one process is one training slot, and SIGKILL kills the training with it."""
+    app.configure(settings)
+    app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", settings.queue, *extra_args])

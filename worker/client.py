@@ -1,0 +1,166 @@
+"""The worker's HTTP client of the service's `/internal/attempts/{id}/...` API."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from contracts.reports import (
+    MAX_POINTS_PER_BATCH,
+    Accepted,
+    CheckpointReport,
+    Claim,
+    ClaimRequest,
+    EvalBatch,
+    Finish,
+    Heartbeat,
+    HeartbeatAnswer,
+    MetricBatch,
+    MetricPoint,
+)
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+# Error codes of a 409 that mean "this attempt is not yours": drop the work, write nothing.
+ALREADY_CLAIMED = "already_claimed"
+SUPERSEDED = "superseded"
+
+_Answer = TypeVar("_Answer", bound=BaseModel)
+
+
+class Superseded(Exception):
+    """The service gave this attempt to someone else (or cancelled it): stop, write nothing."""
+
+
+class ServiceError(Exception):
+    """The service refused a request."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class ServiceUnavailable(ServiceError):
+    """The service stayed unreachable, or kept answering 5xx, through every retry."""
+
+
+class ServiceClient:
+    """Retries only what is transient (connection errors, timeouts, 5xx), a bounded number of
+    times with a doubling pause; a 4xx is an answer and is never retried."""
+
+    def __init__(
+        self,
+        api_url: str,
+        token: str,
+        *,
+        timeout_seconds: float = 30.0,
+        retries: int = 3,
+        backoff_seconds: float = 0.5,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.Client(
+            base_url=api_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_seconds,
+            transport=transport,
+        )
+        self._retries = retries
+        self._backoff_seconds = backoff_seconds
+
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings) -> ServiceClient:
+        return cls(settings.api_url, settings.worker_token)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the internal API ------------------------------------------------------------------
+
+    def claim(self, attempt_id: str, request: ClaimRequest) -> Claim | None:
+        """The attempt's spec and lease, or None when the message is stale (the attempt is
+        already claimed or superseded): messages may be delivered twice, work happens once."""
+        try:
+            return self._post(f"/internal/attempts/{attempt_id}/claim", request, Claim)
+        except Superseded:
+            return None
+        except ServiceError as err:
+            if err.status == 409 and err.code == ALREADY_CLAIMED:
+                return None
+            raise
+
+    def heartbeat(self, attempt_id: str, heartbeat: Heartbeat) -> HeartbeatAnswer:
+        return self._post(f"/internal/attempts/{attempt_id}/heartbeat", heartbeat, HeartbeatAnswer)
+
+    def metrics(
+        self, attempt_id: str, *, fencing_token: int, points: Sequence[MetricPoint]
+    ) -> Accepted:
+        """Post any number of points, in requests of at most MAX_POINTS_PER_BATCH."""
+        accepted = 0
+        for start in range(0, len(points), MAX_POINTS_PER_BATCH):
+            chunk = list(points[start : start + MAX_POINTS_PER_BATCH])
+            batch = MetricBatch(fencing_token=fencing_token, points=chunk)
+            answer = self._post(f"/internal/attempts/{attempt_id}/metrics", batch, Accepted)
+            accepted += answer.accepted
+        return Accepted(accepted=accepted)
+
+    def evals(self, attempt_id: str, batch: EvalBatch) -> Accepted:
+        return self._post(f"/internal/attempts/{attempt_id}/evals", batch, Accepted)
+
+    def checkpoint(self, attempt_id: str, report: CheckpointReport) -> Accepted:
+        return self._post(f"/internal/attempts/{attempt_id}/checkpoints", report, Accepted)
+
+    def finish(self, attempt_id: str, finish: Finish) -> Accepted:
+        return self._post(f"/internal/attempts/{attempt_id}/finish", finish, Accepted)
+
+    # --- transport -------------------------------------------------------------------------
+
+    def _post(self, path: str, body: BaseModel, answer: type[_Answer]) -> _Answer:
+        payload = body.model_dump(mode="json")
+        for attempt in range(self._retries + 1):
+            last_try = attempt == self._retries
+            try:
+                response = self._http.post(path, json=payload)
+            except httpx.TransportError as err:
+                if last_try:
+                    raise ServiceUnavailable(
+                        f"POST {path}: service at {self._http.base_url} unreachable after "
+                        f"{attempt + 1} tries: {err!r}"
+                    ) from err
+                log.warning("POST %s failed (%r); retrying", path, err)
+            else:
+                if response.status_code < 300:
+                    return answer.model_validate(response.json())
+                if response.status_code < 500 or last_try:
+                    raise _refusal(path, response)
+                log.warning("POST %s answered %s; retrying", path, response.status_code)
+            time.sleep(self._backoff_seconds * 2**attempt)
+        raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _refusal(path: str, response: httpx.Response) -> Exception:
+    code, message, details = None, response.text, None
+    try:
+        error: Any = response.json()["error"]
+        code, message, details = error.get("code"), error.get("message"), error.get("details")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if response.status_code == 409 and code == SUPERSEDED:
+        return Superseded(f"POST {path}: {message}")
+    text = f"POST {path} answered {response.status_code} {code or ''}: {message}"
+    if details:
+        text += f" ({details})"
+    kind = ServiceUnavailable if response.status_code >= 500 else ServiceError
+    return kind(text, status=response.status_code, code=code)

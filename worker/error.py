@@ -1,0 +1,43 @@
+"""Training failures, each carrying the failure cause the service records for it.
+
+The cause decides what the service does next: data, config, nan and oom are never retried
+blindly; infrastructure failures are.
+"""
+
+from __future__ import annotations
+
+from contracts.reports import FailureCause
+
+
+class TrainingError(Exception):
+    """A failure of this attempt that the worker reports with `cause` and its message."""
+
+    cause: FailureCause = "infrastructure"
+
+
+class DataError(TrainingError):
+    """A data file cannot be read or encoded (bad JSON, a missing field, an over-long record)."""
+
+    cause: FailureCause = "data"
+
+
+class ConfigError(TrainingError):
+    """The workflow cannot be trained as written (bad model config, unusable tokenizer)."""
+
+    cause: FailureCause = "config"
+
+
+class NonFiniteLoss(TrainingError):
+    cause: FailureCause = "nan"
+
+
+class SignatureMismatch(TrainingError):
+    """An input's content differs from the one the run's signature was computed over."""
+
+    cause: FailureCause = "signature_mismatch"
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint is incomplete, corrupt or does not belong to this run."""
+
+    cause: FailureCause = "infrastructure"

@@ -1,0 +1,145 @@
+"""The model, its tokenizer and the device they run on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from contracts.workflow import Workflow
+from worker.error import ConfigError
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+TOKENIZER_FILE = "tokenizer.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+# --- device ---------------------------------------------------------------------------------
+
+
+def select_device(preference: str) -> torch.device:
+    """cuda when available and allowed ("auto" or "cuda"), else cpu. Asking for cuda on a
+    machine without it is a configuration error, not a silent fall back to a 100x slower CPU."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested (TRAINCTL_DEVICE) but CUDA is not available")
+    if preference in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def configure_determinism(device: torch.device) -> None:
+    """On CPU, training is float32 and bit-reproducible (a resumed run equals an uninterrupted
+    one); on CUDA it runs under bf16 autocast (see `worker.objective`) and is not."""
+    torch.use_deterministic_algorithms(device.type == "cpu")
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A `tokenizers` tokenizer from a tokenizer.json, or a directory holding one. It must know
+    EOS_TOKEN (joins documents, ends targets) and PAD_TOKEN (fills short rows)."""
+    path = Path(path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"tokenizer: {file} not found")
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+        raise ConfigError(f"tokenizer: {file} cannot be loaded: {err}") from err
+    missing = [t for t in (EOS_TOKEN, PAD_TOKEN) if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise ConfigError(
+            f"tokenizer {file} lacks the special token(s) {', '.join(missing)}; "
+            f"trainctl needs {EOS_TOKEN} (end of document) and {PAD_TOKEN} (padding): "
+            "add them as special tokens and retrain or extend the tokenizer"
+        )
+    return tokenizer
+
+
+def special_token_ids(tokenizer: Tokenizer) -> tuple[int, int]:
+    """(eos_id, pad_id)."""
+    eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
+    assert eos is not None and pad is not None, "load_tokenizer checks both"
+    return eos, pad
+
+
+# --- model ----------------------------------------------------------------------------------
+
+
+def build_model(workflow: Workflow, device: torch.device) -> PreTrainedModel:
+    """The causal LM of `workflow.model`, in float32 and train mode on `device`. A config is
+    initialised from `workflow.seed` alone, so two processes build identical weights."""
+    spec = workflow.model
+    torch.manual_seed(workflow.seed)
+    model: PreTrainedModel
+    if spec.pretrained is not None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec.pretrained, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.pretrained: cannot load {spec.pretrained}: {err}") from err
+    else:
+        config: dict[str, Any] = dict(spec.config or {})
+        model_type = config.pop("model_type", "llama")
+        try:
+            model_config = AutoConfig.for_model(model_type, **config)
+        # Config classes raise ValueError, TypeError, or huggingface_hub's validation errors
+        # (plain Exceptions); every one of them means the config as written is unusable.
+        except Exception as err:
+            raise ConfigError(f"model.config (model_type {model_type!r}): {err}") from err
+        try:
+            model = AutoModelForCausalLM.from_config(model_config)
+        except ValueError as err:
+            raise ConfigError(f"model.config (model_type {model_type!r}): {err}") from err
+    # transformers declares `to` through functools.wraps(nn.Module.to), which mypy misreads.
+    model.to(device)  # type: ignore[arg-type]
+    return model.train()
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load safetensors weights into `model`: a .safetensors file, or a directory holding
+    model.safetensors (or a sharded model.safetensors.index.json), i.e. `save_pretrained`
+    output. Every parameter the model trains must be in the file; tied weights are stored once.
+    """
+    path = Path(path)
+    tensors = _read_safetensors(path)
+    required = {name for name, _ in model.named_parameters()}  # dedups tied weights
+    required |= {name for name, _ in model.named_buffers() if name in model.state_dict()}
+    known = set(model.state_dict())
+    missing, unexpected = sorted(required - set(tensors)), sorted(set(tensors) - known)
+    if missing or unexpected:
+        raise ConfigError(
+            f"weights {path} do not fit the model: missing {missing[:5]} "
+            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+        )
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong = [
+        f"{name} {tuple(t.shape)} vs model {shapes[name]}"
+        for name, t in tensors.items()
+        if tuple(t.shape) != shapes[name]
+    ]
+    if wrong:
+        raise ConfigError(f"weights {path} do not fit the model: shapes differ: {wrong[:5]}")
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=False)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if path.is_file():
+        return load_file(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return load_file(path / WEIGHTS_FILE)
+    if (path / WEIGHTS_INDEX_FILE).is_file():
+        index = json.loads((path / WEIGHTS_INDEX_FILE).read_text())
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            tensors.update(load_file(path / shard))
+        return tensors
+    raise ConfigError(f"no safetensors weights at {path} (expected a file or {WEIGHTS_FILE})")

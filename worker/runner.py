@@ -1,0 +1,170 @@
+"""One attempt, start to end: claim, verify inputs, train the phase, finish.
+
+This is what the Celery task calls; it is plain Python, testable without Celery or a broker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import ValidationError
+
+from contracts.reports import Claim, ClaimRequest, FailureCause, Finish
+from contracts.signature import sha256_path
+from contracts.workflow import Workflow
+from worker.client import ServiceClient, Superseded
+from worker.error import ConfigError, SignatureMismatch, TrainingError
+from worker.model import select_device
+from worker.reporter import ServiceReporter
+from worker.settings import WorkerSettings
+from worker.trainer import PhaseOutcome, train_phase
+
+log = logging.getLogger(__name__)
+
+
+def _never() -> bool:
+    return False
+
+
+def run_attempt(
+    attempt_id: str,
+    *,
+    settings: WorkerSettings,
+    client: ServiceClient | None = None,
+    stop_requested: Callable[[], bool] = _never,
+) -> PhaseOutcome | None:
+    """Claim and train attempt `attempt_id`, then report how it ended (`finish`). Returns the
+    phase's outcome, or None when it did not train to an end: the attempt was not ours to run
+    (a duplicate message), it was superseded, or it failed (reported with its cause).
+    Raises `ServiceUnavailable` when the service cannot be reached to claim or to finish."""
+    own_client = client is None
+    client = client or ServiceClient.from_settings(settings)
+    try:
+        claim = client.claim(
+            attempt_id, ClaimRequest(hostname=socket.gethostname(), pid=os.getpid())
+        )
+        if claim is None:
+            log.info(
+                "attempt %s is already claimed or superseded; dropping the message", attempt_id
+            )
+            return None
+        return _run_claimed(claim, settings=settings, client=client, stop_requested=stop_requested)
+    finally:
+        if own_client:
+            client.close()
+
+
+def _run_claimed(
+    claim: Claim,
+    *,
+    settings: WorkerSettings,
+    client: ServiceClient,
+    stop_requested: Callable[[], bool],
+) -> PhaseOutcome | None:
+    if settings.torch_threads is not None:
+        torch.set_num_threads(settings.torch_threads)
+    reporter = ServiceReporter(client, claim, heartbeat_seconds=settings.heartbeat_seconds)
+    where = f"attempt {claim.attempt_id} of run {claim.run_id}, phase {claim.phase_index}"
+    outcome: PhaseOutcome | None = None
+    try:
+        workflow = _parse_workflow(claim)
+        verify_inputs(claim, workflow)
+        device = select_device(settings.device)
+        log.info("training %s on %s", where, device)
+        outcome = train_phase(
+            claim=claim,
+            workflow=workflow,
+            reporter=reporter,
+            device=device,
+            stop_requested=stop_requested,
+        )
+    except Superseded:
+        log.info("%s was superseded; stopping without writing", where)
+        return None
+    except TrainingError as err:
+        finish = _failed(claim, reporter, err.cause, f"{err} ({where})")
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        finish = _failed(claim, reporter, "oom", f"out of memory: {err} ({where})")
+    except Exception as err:
+        log.exception("%s failed", where)
+        message = f"{type(err).__name__}: {err} at {_origin(err)} ({where})"
+        finish = _failed(claim, reporter, "infrastructure", message)
+    else:
+        if outcome.status == "stopped":
+            log.info("%s: the service said stop; nothing more is written", where)
+            return outcome
+        status: Literal["succeeded", "preempted"] = (
+            "preempted" if outcome.status == "preempted" else "succeeded"
+        )
+        finish = Finish(fencing_token=claim.fencing_token, status=status, step=outcome.step)
+
+    if finish.status == "failed":
+        log.error("%s failed (%s): %s", where, finish.cause, finish.message)
+    try:
+        reporter.flush()
+        client.finish(claim.attempt_id, finish)
+    except Superseded:
+        log.info("%s was superseded before it finished", where)
+        return None
+    return outcome
+
+
+def _failed(claim: Claim, reporter: ServiceReporter, cause: FailureCause, message: str) -> Finish:
+    start = claim.resume_from.step if claim.resume_from is not None else 0
+    return Finish(
+        fencing_token=claim.fencing_token,
+        status="failed",
+        step=reporter.last_step if reporter.last_step is not None else start,
+        cause=cause,
+        message=message,
+    )
+
+
+def _parse_workflow(claim: Claim) -> Workflow:
+    try:
+        return Workflow.model_validate(claim.workflow)
+    except ValidationError as err:
+        raise ConfigError(f"the claimed workflow does not parse: {err}") from err
+
+
+def verify_inputs(claim: Claim, workflow: Workflow) -> None:
+    """Every input this attempt reads must have the content the run's signature was computed
+    over: refuse before the first step, naming the file and both digests. Inputs it does not
+    read are not hashed (other phases' data; the initial checkpoint once a run checkpoint
+    supplies the weights), so a resume never depends on files it no longer needs."""
+    digests = claim.digests
+    phase = workflow.phases[claim.phase_index]
+    reads = [s.path for s in phase.data] + [e.data for e in workflow.evals]
+    checks: list[tuple[str, str, str | None]] = [
+        ("tokenizer", workflow.tokenizer, digests.tokenizer)
+    ]
+    checks += [("data file", path, digests.data.get(path)) for path in dict.fromkeys(reads)]
+    if workflow.model.pretrained is not None:
+        checks.append(("pretrained model", workflow.model.pretrained, digests.pretrained))
+    if claim.initial_checkpoint is not None and claim.resume_from is None:
+        checks.append(("initial checkpoint", claim.initial_checkpoint, digests.initial_checkpoint))
+    for kind, path, expected in checks:
+        if not Path(path).exists():
+            raise TrainingError(f"{kind} {path} not found on host {socket.gethostname()}")
+        actual = sha256_path(path)
+        if actual != expected:
+            raise SignatureMismatch(
+                f"{kind} {path} has SHA-256 {actual}, but the run's signature was computed "
+                f"with {expected}; the file changed since the run was created (restore it, or "
+                "start a new run)"
+            )
+
+
+def _origin(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "unknown location"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"

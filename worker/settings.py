@@ -1,0 +1,45 @@
+"""The worker's settings, read from `TRAINCTL_*` environment variables once per process."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+
+from pydantic import field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from contracts.dispatch import DEFAULT_QUEUE
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINCTL_", frozen=True)
+
+    api_url: str = "http://127.0.0.1:8600"
+    # The bearer token of `/internal/...`; workers hold no database credentials.
+    worker_token: str = ""
+    home: Path = Path("~/.trainctl")
+    # Empty means the embedded broker: `filesystem://<home>/broker`.
+    broker_url: str = ""
+    queue: str = DEFAULT_QUEUE
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # None leaves torch's default (one thread per core).
+    torch_threads: int | None = None
+    heartbeat_seconds: float = 5.0
+
+    @field_validator("home")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @model_validator(mode="after")
+    def _default_broker(self) -> WorkerSettings:
+        if not self.broker_url:
+            # frozen: the validator is the one place the default is derived from `home`.
+            object.__setattr__(self, "broker_url", f"filesystem://{self.home / 'broker'}")
+        return self
+
+
+@functools.cache
+def get_settings() -> WorkerSettings:
+    return WorkerSettings()

@@ -1,0 +1,38 @@
+"""Celery tasks: thin adapters from a message to a plain function."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from celery.signals import worker_shutting_down
+
+from contracts.dispatch import RUN_PHASE_TASK
+from worker.celery_app import app
+from worker.client import ServiceUnavailable
+from worker.runner import run_attempt
+
+# Set by a warm shutdown (SIGTERM: the preemption notice of a spot instance). The running
+# phase then checkpoints at once and finishes as "preempted"; Celery exits after the task.
+_preempted = threading.Event()
+
+
+@worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    _preempted.set()
+
+
+# shared=False: registered on this app only, not on every Celery app of the process.
+# A service that cannot be reached is retried later with backoff (bounded): the message must not
+# be lost while its attempt waits, unclaimed, in the database. A retried message that finds its
+# attempt claimed meanwhile is dropped by the claim.
+@app.task(
+    name=RUN_PHASE_TASK,
+    shared=False,
+    autoretry_for=(ServiceUnavailable,),
+    retry_backoff=30,
+    retry_backoff_max=600,
+    max_retries=8,
+)
+def run_phase(attempt_id: str) -> None:
+    run_attempt(attempt_id, settings=app.settings, stop_requested=_preempted.is_set)

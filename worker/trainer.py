@@ -1,0 +1,283 @@
+"""One phase of a run: the training loop.
+
+Steps are global (counted over the whole run): phase i makes updates offset+1 .. offset+steps,
+where offset = workflow.phase_offsets()[i]. "The model at step s" is the model after s updates;
+step 0 is the untrained (or initial-checkpoint) model whose evals are the run's baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from transformers import PreTrainedModel
+from transformers.utils import logging as transformers_logging
+
+from contracts.reports import CheckpointRef, Claim, EvalResult
+from contracts.workflow import Phase, Workflow
+from worker.checkpoint import (
+    CheckpointState,
+    LoadedCheckpoint,
+    apply_retention,
+    checkpoints_dir,
+    load_checkpoint,
+    remove_stale_temporaries,
+    restore_rng,
+    save_checkpoint,
+)
+from worker.data import batch_for_step, load_phase_data
+from worker.error import CheckpointError, ConfigError, NonFiniteLoss, SignatureMismatch
+from worker.evaluate import evaluate_task
+from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
+from worker.objective import backward_step
+from worker.optim import build_optimizers
+from worker.reporter import Reporter
+from worker.schedule import lr_multiplier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PhaseOutcome:
+    # stopped: the service said stop (nothing more may be written or reported);
+    # preempted: stop_requested() came true and a checkpoint of `step` was taken.
+    status: Literal["succeeded", "stopped", "preempted"]
+    step: int  # the last global step done
+    checkpoint: CheckpointRef | None  # the checkpoint of `step`, if one exists
+
+
+def should_checkpoint(step: int, *, every: int, last: int) -> bool:
+    return step == last or step % every == 0
+
+
+def should_eval(step: int, *, every: int, last: int) -> bool:
+    """Step 0 is the baseline; the phase's last step is always evaluated."""
+    return step == 0 or step == last or step % every == 0
+
+
+def phase_seed(seed: int, phase_index: int) -> int:
+    """The torch seed of a phase (dropout); distinct per phase, fixed by the workflow."""
+    return int(np.random.SeedSequence([seed % 2**64, phase_index]).generate_state(1)[0])
+
+
+def _never() -> bool:
+    return False
+
+
+def train_phase(
+    *,
+    claim: Claim,
+    workflow: Workflow,
+    reporter: Reporter,
+    device: torch.device,
+    stop_requested: Callable[[], bool] = _never,
+) -> PhaseOutcome:
+    """Train phase `claim.phase_index` from where the claim says, reporting as it goes.
+    `stop_requested` (a preemption notice) is polled once per step: when it turns true the
+    phase checkpoints at once and returns "preempted"."""
+    transformers_logging.disable_progress_bar()  # the worker logs; bars are for terminals
+    phase_index = claim.phase_index
+    phase = workflow.phases[phase_index]
+    offsets = workflow.phase_offsets()
+    offset, last = offsets[phase_index], offsets[phase_index] + phase.steps
+    phase_finals = [o + p.steps for o, p in zip(offsets, workflow.phases, strict=True)]
+    directory = checkpoints_dir(claim.artifact_dir)
+    remove_stale_temporaries(directory)
+
+    configure_determinism(device)
+    tokenizer = load_tokenizer(workflow.tokenizer)
+    data = load_phase_data(phase, tokenizer)
+
+    # Restore order: model, weights, optimizer groups derived by name from the live model,
+    # optimizer state, and the RNG last (nothing after it may draw a random number).
+    model = build_model(workflow, device)
+    _check_vocabulary(model, tokenizer, workflow.tokenizer)
+    torch.manual_seed(phase_seed(workflow.seed, phase_index))
+    resumed = _checkpoint_to_resume(claim, offsets)
+    if resumed is not None:
+        load_weights(model, resumed.path)
+    elif claim.initial_checkpoint is not None:
+        load_weights(model, claim.initial_checkpoint)
+    optimizers = build_optimizers(model, workflow.optimizer)
+    # A checkpoint inside this phase continues it; the previous phase's final one only supplies
+    # weights (fresh optimizers, the phase's own seed).
+    inside = resumed if resumed is not None and resumed.state.phase_index == phase_index else None
+    if inside is not None:
+        optimizers.load_state_dict(inside.optimizer)
+        restore_rng(inside.rng)
+    start = inside.state.step if inside is not None else offset
+    tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
+    latest = claim.resume_from if inside is not None else None
+
+    def evaluate(step: int, due: list[int]) -> list[EvalResult]:
+        return [
+            evaluate_task(
+                model,
+                tokenizer,
+                workflow.evals[i],
+                sequence_length=phase.sequence_length,
+                batch_size=phase.microbatch_size,
+                step=step,
+                phase=phase.name,
+            )
+            for i in due
+        ]
+
+    def checkpoint(step: int) -> CheckpointRef:
+        state = CheckpointState(
+            step=step,
+            phase_index=phase_index,
+            phase_name=phase.name,
+            phase_step=step - offset,
+            tokens_seen=tokens_seen,
+            signature=claim.signature,
+            attempt_id=claim.attempt_id,
+            groups=optimizers.group_names(),
+        )
+        path = save_checkpoint(
+            directory=directory,
+            model=model,
+            tokenizer=tokenizer,
+            optimizers=optimizers,
+            state=state,
+        )
+        ref = CheckpointRef(
+            path=str(path), step=step, phase_index=phase_index, phase_step=step - offset
+        )
+        # Registered only once complete on disk. Older checkpoints are deleted only once the
+        # service holds this one: until then, what it would resume from must stay.
+        if reporter.checkpoint(ref):
+            apply_retention(
+                directory, keep_last=workflow.checkpoint.keep_last, keep_steps=phase_finals
+            )
+        log.info("checkpoint %s (phase %r, step %d)", path, phase.name, step)
+        return ref
+
+    if start == 0 and workflow.evals:
+        reporter.evals(evaluate(0, list(range(len(workflow.evals)))))
+
+    for step in range(start + 1, last + 1):  # `step`: the update this iteration makes
+        # --- learning rate (a pure function of the phase step)
+        multiplier = phase.lr_scale * lr_multiplier(
+            step - offset, total_steps=phase.steps, schedule=phase.schedule
+        )
+        muon_lr = workflow.optimizer.muon_lr * multiplier
+        adamw_lr = workflow.optimizer.adamw_lr * multiplier
+        optimizers.set_lr(muon_lr=muon_lr, adamw_lr=adamw_lr)
+
+        # --- eval and checkpoint decisions, for the model after this update
+        due_evals = [
+            i
+            for i, spec in enumerate(workflow.evals)
+            if should_eval(step, every=spec.every_steps, last=last)
+        ]
+        checkpoint_due = should_checkpoint(step, every=workflow.checkpoint.every_steps, last=last)
+
+        # --- forward/backward over the step's microbatches
+        started = time.perf_counter()
+        microbatches = [
+            batch_for_step(
+                data, seed=workflow.seed, phase_index=phase_index, step=step, micro=micro
+            ).to(device)
+            for micro in range(phase.grad_accum)
+        ]
+        loss = backward_step(model, microbatches)
+
+        # --- gradient clipping, then the optimizer steps
+        max_norm = workflow.optimizer.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        loss_value, norm_value = torch.stack([loss, grad_norm]).tolist()  # CPU-GPU sync
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            raise NonFiniteLoss(_non_finite_message(loss_value, norm_value, step, phase, latest))
+        optimizers.step()
+        optimizers.zero_grad()
+        tokens_seen += phase.tokens_per_step
+        elapsed = time.perf_counter() - started
+
+        # --- log
+        reporter.metrics(
+            step,
+            {
+                "loss": loss_value,
+                "lr": adamw_lr,
+                "lr_muon": muon_lr,
+                "grad_norm": norm_value,
+                "tokens_per_s": phase.tokens_per_step / elapsed,
+            },
+        )
+        # --- eval and checkpoint, as decided above
+        if due_evals:
+            reporter.evals(evaluate(step, due_evals))
+        if checkpoint_due:
+            latest = checkpoint(step)
+
+        # --- stop check
+        if step < last and reporter.should_stop(step):
+            log.info("the service says stop at step %d; stopping without writing", step)
+            return PhaseOutcome(status="stopped", step=step, checkpoint=None)
+        if step < last and stop_requested():
+            if latest is None or latest.step != step:
+                latest = checkpoint(step)
+            return PhaseOutcome(status="preempted", step=step, checkpoint=latest)
+
+    return PhaseOutcome(status="succeeded", step=last, checkpoint=latest)
+
+
+def _checkpoint_to_resume(claim: Claim, offsets: list[int]) -> LoadedCheckpoint | None:
+    """The claim's `resume_from`, verified: this run's, and either inside this phase or the
+    previous phase's final checkpoint. A later phase without one cannot start."""
+    phase_index = claim.phase_index
+    if claim.resume_from is None:
+        if phase_index > 0:
+            raise CheckpointError(
+                f"phase {phase_index} starts from the final checkpoint of phase "
+                f"{phase_index - 1}, but the claim of attempt {claim.attempt_id} names none"
+            )
+        return None
+    loaded = load_checkpoint(claim.resume_from.path)
+    state = loaded.state
+    if state.signature != claim.signature:
+        raise SignatureMismatch(
+            f"checkpoint {loaded.path} was written by a run with signature {state.signature}, "
+            f"this run's signature is {claim.signature}"
+        )
+    offset = offsets[phase_index]
+    inside = state.phase_index == phase_index and state.step > offset
+    previous_final = state.phase_index == phase_index - 1 and state.step == offset
+    if not (inside or previous_final):
+        raise CheckpointError(
+            f"checkpoint {loaded.path} (phase {state.phase_index}, step {state.step}) cannot "
+            f"start phase {phase_index}, which covers steps {offset + 1}..; expected a "
+            f"checkpoint of this phase or the final one of phase {phase_index - 1} "
+            f"(step {offset})"
+        )
+    return loaded
+
+
+def _check_vocabulary(model: PreTrainedModel, tokenizer: Tokenizer, path: str) -> None:
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    embedding = model.get_input_embeddings()
+    rows = embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else size
+    if size > rows:
+        raise ConfigError(
+            f"tokenizer {path} has {size} tokens but the model's embedding has {rows} rows; "
+            f"set model.config.vocab_size to at least {size}"
+        )
+
+
+def _non_finite_message(
+    loss: float, grad_norm: float, step: int, phase: Phase, latest: CheckpointRef | None
+) -> str:
+    where = f"at step {step} (phase {phase.name!r})"
+    fallback = f"; latest checkpoint: {latest.path}" if latest is not None else ""
+    return (
+        f"non-finite training loss {loss} / gradient norm {grad_norm} {where}{fallback}; "
+        "lower the learning rate or inspect the data of this step"
+    )
