@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,3 +133,46 @@ def wait_for_run(
                 raise AssertionError(f"{proc.log.name} exited early:\n{proc.tail()}")
         time.sleep(0.5)
     raise AssertionError(f"run {run_id} did not finish in {timeout} s: {run}")
+
+
+class Stack:
+    """`trainctl serve` on its own Postgres database and Redis queue, with tokens, ready for
+    worker processes. Workers are started with `worker()`; all stop when `procs` is closed."""
+
+    def __init__(self, tmp_path: Path, postgres_url: str, procs: list[Proc], **env: str) -> None:
+        self.tmp_path, self.procs = tmp_path, procs
+        self.env = {
+            "TRAINCTL_HOME": str(tmp_path / "home"),
+            "TRAINCTL_DATABASE_URL": postgres_url,
+            "TRAINCTL_BROKER_URL": "redis://127.0.0.1:6379/0",
+            "TRAINCTL_QUEUE": f"test-{uuid.uuid4().hex[:12]}",
+            "TRAINCTL_ARTIFACT_ROOT": str(tmp_path / "artifacts"),
+            "TRAINCTL_TORCH_THREADS": "1",
+            **env,
+        }
+        _, self.url = start_api(["serve"], env=self.env, log=tmp_path / "serve.log", procs=procs)
+        self.admin = self.token("admin")
+        self.worker_token = self.token("worker")
+        self.workers = 0
+
+    def token(self, role: str) -> str:
+        return run_cli(["tokens", "create", "--name", role, "--role", role], env=self.env).strip()
+
+    def api(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.admin}"}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def worker(self, **env: str) -> Proc:
+        self.workers += 1
+        proc = Proc(
+            ["worker"],
+            env={
+                **self.env,
+                "TRAINCTL_API_URL": self.url,
+                "TRAINCTL_WORKER_TOKEN": self.worker_token,
+                **env,
+            },
+            log=self.tmp_path / f"worker-{self.workers}.log",
+        )
+        self.procs.append(proc)
+        return proc

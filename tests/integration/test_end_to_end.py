@@ -8,13 +8,12 @@ broker folder). No eager mode, no mocks.
 from __future__ import annotations
 
 import stat
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from procs import Proc, processes, run_cli, short_demo_workflow, start_api, wait_for_run
+from procs import Stack, processes, run_cli, short_demo_workflow, start_api, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -75,36 +74,17 @@ def assert_trained_and_evaluated(
 def test_run_trains_through_postgres_redis_and_a_celery_worker(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    env = {
-        "TRAINCTL_HOME": str(tmp_path / "home"),
-        "TRAINCTL_DATABASE_URL": postgres_url,
-        "TRAINCTL_BROKER_URL": "redis://127.0.0.1:6379/0",
-        "TRAINCTL_QUEUE": f"test-{uuid.uuid4().hex[:12]}",
-        "TRAINCTL_ARTIFACT_ROOT": str(tmp_path / "artifacts"),
-        "TRAINCTL_TORCH_THREADS": "1",
-    }
     with processes() as procs:
-        _, url = start_api(["serve"], env=env, log=tmp_path / "serve.log", procs=procs)
-        admin = run_cli(["tokens", "create", "--name", "test", "--role", "admin"], env=env).strip()
-        worker_token = run_cli(
-            ["tokens", "create", "--name", "w", "--role", "worker"], env=env
-        ).strip()
-        worker = Proc(
-            ["worker"],
-            env={**env, "TRAINCTL_API_URL": url, "TRAINCTL_WORKER_TOKEN": worker_token},
-            log=tmp_path / "worker.log",
-        )
-        procs.append(worker)
-
-        headers = {"Authorization": f"Bearer {admin}"}
-        with httpx.Client(base_url=url, headers=headers, timeout=30) as api:
+        stack = Stack(tmp_path, postgres_url, procs)
+        worker = stack.worker()
+        with stack.api() as api:
             created = api.post("/runs", json={"workflow": short_demo_workflow(), "name": "e2e"})
             assert created.status_code == 201, created.text
             run = wait_for_run(api, created.json()["id"], timeout=300, procs=procs)
             assert_trained_and_evaluated(api, run, worker_pid=worker.pid)
 
             # The CLI reads the same run through the API.
-            cli_env = {**env, "TRAINCTL_API_URL": url, "TRAINCTL_TOKEN": admin}
+            cli_env = {**stack.env, "TRAINCTL_API_URL": stack.url, "TRAINCTL_TOKEN": stack.admin}
             shown = run_cli(["runs", "show", run["id"]], env=cli_env)
             assert "succeeded" in shown
 
