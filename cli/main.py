@@ -204,14 +204,15 @@ def workflow_validate(
     table = Table(
         title=f"{path.name}: {result.total_steps} steps, {result.compute_tokens:,} tokens"
     )
-    for column in ("phase", "objective", "steps", "tokens/step", "compute tokens", "share"):
-        table.add_column(column)
+    table.add_column("phase", no_wrap=True)
+    table.add_column("objective", no_wrap=True)
+    for column in ("steps", "tokens", "share"):
+        table.add_column(column, justify="right", no_wrap=True)
     for p in result.phases:
         table.add_row(
             p.name,
             p.objective,
             f"{p.first_step}-{p.last_step}",
-            f"{p.tokens_per_step:,}",
             f"{p.compute_tokens:,}",
             f"{p.token_share:.1%}",
         )
@@ -245,6 +246,45 @@ def runs_create(
         print(json.dumps(run, indent=2))
     else:
         console.print(f"created run [bold]{run['id']}[/bold] ({run['total_steps']} steps)")
+
+
+@runs_app.command("resume")
+def runs_resume(
+    run_id: str,
+    workflow: Annotated[
+        Path | None,
+        typer.Option(help="Workflow JSON file; omitted: the run's stored workflow."),
+    ] = None,
+    initial_checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help="Safetensors file or model directory the run started from (it may have "
+            "moved; its content must not change); omitted: the stored digest."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Continue a stopped run under its id from its latest checkpoint. What is given must
+    reproduce the run's signature; a mismatch names every differing field (exit 3)."""
+    body: dict[str, Any] = {}
+    if workflow:
+        body["workflow"] = load_workflow(workflow)
+    if initial_checkpoint:
+        body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+    run = call("POST", f"/runs/{run_id}/resume", json=body)
+    if as_json:
+        print(json.dumps(run, indent=2))
+        return
+    if run["status"] == "succeeded":
+        console.print(f"run [bold]{run['id']}[/bold] already succeeded; nothing to resume")
+        return
+    attempt = max(run["attempts"], key=lambda a: a["number"])
+    ckpt = run.get("latest_checkpoint")
+    start = f"the checkpoint at step {ckpt['step']}" if ckpt else "the start"
+    console.print(
+        f"resumed run [bold]{run['id']}[/bold]: attempt {attempt['number']} continues phase "
+        f"{run.get('phase')} from {start}"
+    )
 
 
 @runs_app.command("list")

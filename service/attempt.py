@@ -93,6 +93,53 @@ def _lease_end(now: datetime, lease_seconds: float) -> datetime:
     return now + timedelta(seconds=lease_seconds)
 
 
+def lease_expired(attempt: Attempt, now: datetime) -> bool:
+    """A running attempt whose worker has not renewed its lease in time (killed, cut off)."""
+    return (
+        attempt.status == "running"
+        and attempt.lease_expires_at is not None
+        and attempt.lease_expires_at <= now
+    )
+
+
+def is_active(attempt: Attempt, now: datetime) -> bool:
+    """Waiting for a worker, or owned by one whose lease still holds."""
+    return attempt.status == "queued" or (
+        attempt.status == "running" and not lease_expired(attempt, now)
+    )
+
+
+def expire_attempt(*, session: Session, attempt: Attempt, now: datetime) -> bool:
+    """Mark a running attempt whose lease expired `lost`, in one conditional UPDATE: a report
+    that renewed the lease (or a finish) in the meantime wins, and this answers False. The
+    worker, if it still lives, is then refused as superseded. Does not commit."""
+    expired_at = attempt.lease_expires_at
+    result = session.execute(
+        update(Attempt)
+        .where(
+            Attempt.id == attempt.id,
+            Attempt.status == "running",
+            Attempt.fencing_token == attempt.fencing_token,
+            Attempt.lease_expires_at <= now,
+        )
+        .values(
+            status="lost",
+            finished_at=now,
+            cause="infrastructure",
+            message=(
+                f"lost: its worker ({attempt.worker_hostname}, pid {attempt.worker_pid}) sent "
+                f"no report before its lease expired at {expired_at:%Y-%m-%d %H:%M:%S} UTC"
+                if expired_at is not None
+                else "lost: it held no lease"
+            ),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    won = rowcount(result) == 1
+    session.refresh(attempt)
+    return won
+
+
 def _get_attempt(session: Session, attempt_id: str) -> Attempt:
     attempt = session.get(Attempt, attempt_id, populate_existing=True)
     if attempt is None:

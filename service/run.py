@@ -5,20 +5,29 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from contracts.signature import canonical_json, compute_signature
+from contracts.signature import Digests, Signature, canonical_json, compute_signature
 from contracts.workflow import Plan, plan
+from contracts.workflow import Workflow as WorkflowSpec
 from service.attempt import add_attempt, restarts_used
+from service.checkpoint import list_checkpoints
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.models import Attempt, Checkpoint, Run, RunStatus, new_run_id
-from service.schemas import AttemptPublic, CheckpointSummary, RunCreate, RunPublic
+from service.schemas import (
+    AttemptPublic,
+    CheckpointSummary,
+    InitialCheckpointIn,
+    RunCreate,
+    RunPublic,
+)
 from service.workflow import get_workflow, parse_workflow, save_workflow
 
 
@@ -43,6 +52,66 @@ def _replay(*, session: Session, key: str, request_sha: str) -> Run | None:
 def resolve_local_path(path: str, *, data_root: Path) -> str:
     p = Path(path).expanduser()
     return str((p if p.is_absolute() else data_root / p).resolve())
+
+
+@dataclass(frozen=True)
+class InitialCheckpoint:
+    """Where a run's initial weights lie, and the run and step they came from, if another
+    run's checkpoint. Only their content (sha256) is part of the signature."""
+
+    path: str
+    run: str | None = None
+    step: int | None = None
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any]) -> InitialCheckpoint | None:
+        stored = components.get("initial_checkpoint")
+        if stored is None:
+            return None
+        return cls(path=stored["path"], run=stored.get("run"), step=stored.get("step"))
+
+
+def _invalid_initial_checkpoint(message: str, details: dict[str, Any]) -> ApiError:
+    return ApiError(422, "invalid_initial_checkpoint", f"initial_checkpoint: {message}", details)
+
+
+def resolve_initial_checkpoint(
+    *, session: Session, given: InitialCheckpointIn, data_root: Path
+) -> InitialCheckpoint:
+    """A local path (relative to data_root), or another run's registered checkpoint at a step;
+    422 `invalid_initial_checkpoint` naming the run and the steps it has when there is none."""
+    if isinstance(given, str):
+        return InitialCheckpoint(path=resolve_local_path(given, data_root=data_root))
+    if session.get(Run, given.run) is None:
+        raise _invalid_initial_checkpoint(
+            f"run {given.run!r} does not exist; list runs with GET /runs",
+            {"run": given.run, "step": given.step},
+        )
+    steps = {c.step: c for c in list_checkpoints(session=session, run_id=given.run)}
+    if given.step not in steps:
+        available = ", ".join(str(s) for s in steps) or "none yet"
+        raise _invalid_initial_checkpoint(
+            f"run {given.run!r} has no registered checkpoint at step {given.step}; its "
+            f"checkpoints are at steps: {available} (GET /runs/{given.run}/checkpoints)",
+            {"run": given.run, "step": given.step, "available_steps": list(steps)},
+        )
+    return InitialCheckpoint(path=steps[given.step].path, run=given.run, step=given.step)
+
+
+def sign_run(
+    *, workflow: WorkflowSpec, digests: Digests, initial: InitialCheckpoint | None
+) -> Signature:
+    """compute_signature, with the source run and step of an initial checkpoint taken from
+    another run kept in the components for people (compute_signature hashes only its sha256)."""
+    signature = compute_signature(
+        workflow=workflow,
+        digests=digests,
+        initial_checkpoint=None if initial is None else initial.path,
+    )
+    stored = signature.components["initial_checkpoint"]
+    if stored is not None and initial is not None and initial.run is not None:
+        stored.update(run=initial.run, step=initial.step)
+    return signature
 
 
 def create_run(
@@ -70,10 +139,12 @@ def create_run(
     initial = (
         None
         if request.initial_checkpoint is None
-        else resolve_local_path(request.initial_checkpoint, data_root=data_root)
+        else resolve_initial_checkpoint(
+            session=session, given=request.initial_checkpoint, data_root=data_root
+        )
     )
-    digests = resolve_digests(spec, initial_checkpoint=initial)
-    signature = compute_signature(workflow=spec, digests=digests, initial_checkpoint=initial)
+    digests = resolve_digests(spec, initial_checkpoint=None if initial is None else initial.path)
+    signature = sign_run(workflow=spec, digests=digests, initial=initial)
     run_plan = plan(spec)
 
     workflow, _ = save_workflow(session=session, spec=spec)
@@ -85,7 +156,7 @@ def create_run(
         signature=signature.sha256,
         signature_components=signature.components,
         plan=run_plan.model_dump(mode="json"),
-        initial_checkpoint=initial,
+        initial_checkpoint=None if initial is None else initial.path,
         phase_index=0,
         step=0,
         total_steps=run_plan.total_steps,

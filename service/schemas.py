@@ -30,13 +30,26 @@ class WorkflowPublic(BaseModel):
     created_at: datetime
 
 
+class CheckpointOf(BaseModel):
+    """Another run's registered checkpoint at `step`, as an initial checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: str = Field(min_length=1)
+    step: int = Field(ge=0)
+
+
+# A local safetensors file or model directory the service can read (relative paths resolve
+# against data_root), or another run's registered checkpoint.
+InitialCheckpointIn = str | CheckpointOf
+
+
 class RunCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     workflow: dict[str, Any] | None = None
     workflow_id: str | None = None
-    # A local file or directory the service can read; relative paths resolve against data_root.
-    initial_checkpoint: str | None = None
+    initial_checkpoint: InitialCheckpointIn | None = None
     name: str | None = Field(None, min_length=1, max_length=200)
     # Restarts allowed after preemptions or lost workers; default: TRAINCTL_MAX_PREEMPTIONS.
     max_restarts: int | None = Field(None, ge=0)
@@ -46,6 +59,16 @@ class RunCreate(BaseModel):
         if (self.workflow is None) == (self.workflow_id is None):
             raise ValueError('give exactly one of "workflow" (a document) or "workflow_id"')
         return self
+
+
+class RunResume(BaseModel):
+    """What a resume must reproduce the stored signature with; an omitted field means "as
+    stored" (the stored workflow; the stored initial checkpoint's digest, not re-hashed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workflow: dict[str, Any] | None = None
+    initial_checkpoint: InitialCheckpointIn | None = None
 
 
 class CheckpointSummary(BaseModel):

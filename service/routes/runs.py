@@ -2,12 +2,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Depends, Header, Query, Response, status
+from fastapi import APIRouter, BackgroundTasks, Body, Depends, Header, Query, Response, status
 from fastapi.responses import JSONResponse
 
 from service.checkpoint import list_checkpoints
 from service.deps import PumpDep, RunDep, SessionDep, SettingsDep, require_admin
 from service.models import RunStatus
+from service.resume import resume_run
 from service.run import create_run, list_runs, run_public, runs_public
 from service.schemas import (
     MAX_RUNS_PAGE,
@@ -15,6 +16,7 @@ from service.schemas import (
     CheckpointsPublic,
     RunCreate,
     RunPublic,
+    RunResume,
     RunsPublic,
 )
 from service.series import eval_summary, metric_columns
@@ -67,6 +69,30 @@ def read_runs(
 @router.get("/{run_id}")
 def read_run(run: RunDep, session: SessionDep) -> RunPublic:
     return run_public(session=session, run=run)
+
+
+@router.post("/{run_id}/resume")
+def resume(
+    run: RunDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    pump: PumpDep,
+    background: BackgroundTasks,
+    body: Annotated[RunResume | None, Body()] = None,
+) -> RunPublic:
+    """Continue the run under its id with a new attempt, from its latest checkpoint. What the
+    body gives (all optional: omitted means as stored) must reproduce the stored signature,
+    else 409 `signature_mismatch` naming each differing field. A succeeded run answers as a
+    no-op; an active one (queued, or running with a live lease), 409 `run_active`."""
+    resumed, attempt = resume_run(
+        session=session,
+        run_id=run.id,
+        request=body or RunResume(),
+        data_root=settings.data_root,
+    )
+    if attempt is not None:
+        background.add_task(pump.dispatch)
+    return run_public(session=session, run=resumed)
 
 
 @router.get("/{run_id}/metrics", response_class=JSONResponse)

@@ -1,0 +1,164 @@
+"""Resuming a run: what is given (or, when omitted, what was stored) must reproduce the stored
+signature; then the run continues under its own id with a new numbered attempt, whose claim
+starts from the run's latest registered checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NoReturn
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from contracts.signature import FieldDiff, Signature, diff_components
+from service.attempt import add_attempt, digests_of, expire_attempt, is_active
+from service.digest import resolve_digests
+from service.errors import ApiError
+from service.models import Attempt, Run, utcnow
+from service.run import InitialCheckpoint, get_run, resolve_initial_checkpoint, sign_run
+from service.schemas import RunResume
+from service.workflow import get_workflow, parse_workflow
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def signature_mismatch(*, run_id: str, differences: list[FieldDiff]) -> ApiError:
+    """409 `signature_mismatch` naming every differing field with both values."""
+    named = "; ".join(
+        f"{d.field} stored {_show(d.stored)} given {_show(d.given)}" for d in differences
+    )
+    # No named difference: the stored components themselves no longer sign to the signature.
+    return ApiError(
+        409,
+        "signature_mismatch",
+        f"signature mismatch: {named or 'the stored signature components differ from it'}; "
+        f"resume run {run_id} with the inputs it was started with (omit a field to use the "
+        "stored one), or submit a new run with POST /runs",
+        {"differences": [d.model_dump(mode="json") for d in differences]},
+    )
+
+
+def resign(
+    *, session: Session, run: Run, request: RunResume, data_root: Path
+) -> tuple[Signature, InitialCheckpoint | None]:
+    """The run's signature over what the request gives, or what was stored where it gives
+    nothing. Tokenizer and data files are hashed now (cached by path, size and mtime), so a
+    changed file is a difference; an omitted initial checkpoint keeps its stored digest."""
+    if request.workflow is not None:
+        spec = parse_workflow(request.workflow, data_root=data_root)
+    else:
+        stored = get_workflow(session=session, workflow_id=run.workflow_id)
+        spec = parse_workflow(stored.spec, data_root=data_root)
+    initial: InitialCheckpoint | None
+    if request.initial_checkpoint is not None:
+        initial = resolve_initial_checkpoint(
+            session=session, given=request.initial_checkpoint, data_root=data_root
+        )
+        digests = resolve_digests(spec, initial_checkpoint=initial.path)
+    else:
+        initial = InitialCheckpoint.from_components(run.signature_components)
+        digests = resolve_digests(spec, initial_checkpoint=None).model_copy(
+            update={"initial_checkpoint": digests_of(run.signature_components).initial_checkpoint}
+        )
+    return sign_run(workflow=spec, digests=digests, initial=initial), initial
+
+
+def _lock_current_attempt(session: Session, run_id: str) -> Attempt | None:
+    """The run's newest attempt, its row locked. Attempt first, then run: the worker protocol
+    (report, finish, claim) locks in that order, so resume does too and cannot deadlock."""
+
+    def newest() -> str | None:
+        return session.scalar(
+            select(Attempt.id)
+            .where(Attempt.run_id == run_id)
+            .order_by(Attempt.number.desc())
+            .limit(1)
+        )
+
+    attempt_id = newest()
+    if attempt_id is None:
+        return None
+    return session.scalars(
+        select(Attempt)
+        .where(Attempt.id == attempt_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
+
+
+def _run_active(run: Run, attempt: Attempt) -> ApiError:
+    if attempt.status == "queued":
+        why = "is queued, waiting for a worker"
+    else:
+        why = (
+            f"is running on {attempt.worker_hostname} (pid {attempt.worker_pid}) with a lease "
+            f"until {attempt.lease_expires_at:%Y-%m-%d %H:%M:%S} UTC"
+        )
+    return ApiError(
+        409,
+        "run_active",
+        f"run {run.id} is {run.status}: its attempt {attempt.number} {why}; wait for it to "
+        "end (or for its lease to expire), then resume",
+        {
+            "run_id": run.id,
+            "attempt_id": attempt.id,
+            "attempt_number": attempt.number,
+            "attempt_status": attempt.status,
+        },
+    )
+
+
+def _refuse(session: Session, error: ApiError) -> NoReturn:
+    """Roll back (releasing the locks) and raise `error`, built while its rows were loaded."""
+    session.rollback()
+    raise error
+
+
+def resume_run(
+    *, session: Session, run_id: str, request: RunResume, data_root: Path
+) -> tuple[Run, Attempt | None]:
+    """Check the signature, then: a succeeded run is a no-op (no attempt); an active one is 409
+    `run_active`; otherwise a running attempt whose lease expired is marked lost, and a new
+    attempt continues the run's current phase. Commits. Returns (run, new attempt or None);
+    the caller dispatches the new attempt's outbox row."""
+    run = get_run(session=session, run_id=run_id)
+    # Hashing can take a while: it happens before any row is locked.
+    signature, initial = resign(session=session, run=run, request=request, data_root=data_root)
+    if signature.sha256 != run.signature:
+        differences = diff_components(run.signature_components, signature.components)
+        _refuse(session, signature_mismatch(run_id=run.id, differences=differences))
+
+    # Concurrent resumes (and finishes) of this run serialise on these locks; the loser sees
+    # the winner's queued attempt and answers run_active.
+    current = _lock_current_attempt(session, run_id)
+    locked = session.get(Run, run_id, with_for_update=True, populate_existing=True)
+    assert locked is not None
+    run = locked
+    if run.status == "succeeded":
+        session.rollback()
+        return run, None
+    if current is not None:
+        now = utcnow()
+        newest = _lock_current_attempt(session, run_id)
+        if newest is not None and newest.id != current.id:
+            # Another attempt was added while this request waited for the locks.
+            _refuse(session, _run_active(run, newest))
+        if is_active(current, now):
+            _refuse(session, _run_active(run, current))
+        if current.status == "running" and not expire_attempt(
+            session=session, attempt=current, now=now
+        ):
+            _refuse(session, _run_active(run, current))
+
+    attempt = add_attempt(session=session, run=run, phase_index=run.phase_index)
+    run.status = "recovering"
+    run.cause = run.message = run.finished_at = None
+    if initial is not None:
+        # The same content may now lie elsewhere: workers read it where it is now.
+        run.initial_checkpoint = initial.path
+    run.signature_components = signature.components
+    session.commit()
+    return run, attempt
