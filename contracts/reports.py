@@ -64,8 +64,9 @@ class Heartbeat(BaseModel):
 
 
 class HeartbeatAnswer(BaseModel):
-    # "stop": the attempt was superseded or cancelled; stop at once and write nothing more.
-    action: Literal["continue", "stop"] = "continue"
+    # "stop": the attempt was superseded or the run cancelled; stop at once, write nothing more.
+    # "pause": checkpoint now, then finish with status "paused" (a resume continues from it).
+    action: Literal["continue", "stop", "pause"] = "continue"
     lease_seconds: float
 
 
@@ -105,7 +106,7 @@ class CheckpointReport(BaseModel):
 
 class Finish(BaseModel):
     fencing_token: int
-    status: Literal["succeeded", "failed", "preempted"]
+    status: Literal["succeeded", "failed", "preempted", "paused"]
     step: int
     cause: FailureCause | None = None
     message: str | None = None
