@@ -14,16 +14,20 @@ import logging
 import os
 import random
 import shutil
+import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from worker import failpoint
 from worker.error import CheckpointError
 from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
 from worker.optim import Optimizers
@@ -131,17 +135,75 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 # --- save -----------------------------------------------------------------------------------
+# A save has two halves: `snapshot` copies the live state into CPU buffers (the training loop
+# waits for this part only), `write_checkpoint` writes files from the copy (a background thread
+# may do it while training goes on).
 
 
-def save_checkpoint(
+@dataclass(frozen=True)
+class Snapshot:
+    """A copy of everything a checkpoint holds, detached from the live model and optimizers."""
+
+    state: CheckpointState
+    config: Any  # the model's transformers config (not changed by training)
+    weights: dict[str, torch.Tensor]  # parameter and persistent buffer name -> CPU copy
+    optimizer: dict[str, Any]  # `Optimizers.state_dict()` with CPU copies of its tensors
+    rng: dict[str, Any]
+
+
+class CpuBuffers:
+    """CPU tensors reused from one snapshot to the next (pinned when CUDA is available, so the
+    device-to-host copies are DMA). A shape or dtype change allocates anew."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
+        self._pin = torch.cuda.is_available()
+
+    def copy(self, key: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+            self._buffers[key] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=True)
+        return buffer
+
+
+def _copy_tree(value: Any, key: tuple[str, ...], buffers: CpuBuffers) -> Any:
+    if isinstance(value, torch.Tensor):
+        return buffers.copy(key, value)
+    if isinstance(value, dict):
+        return {k: _copy_tree(v, (*key, str(k)), buffers) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_tree(v, (*key, str(i)), buffers) for i, v in enumerate(value)]
+    return value
+
+
+def snapshot(
     *,
-    directory: Path,
     model: PreTrainedModel,
-    tokenizer: Tokenizer,
     optimizers: Optimizers,
     state: CheckpointState,
-) -> Path:
-    """Write a complete checkpoint of `state.step` under `directory` and return its path."""
+    buffers: CpuBuffers,
+) -> Snapshot:
+    """Copy the model's weights, the optimizer state and the RNG into `buffers`. The snapshot
+    shares the buffers: take the next one only after the previous snapshot is written."""
+    live = model.state_dict()
+    # The names `load_weights` requires: parameters (a tied weight once) and persistent buffers.
+    names = [n for n, _ in model.named_parameters()]
+    names += [n for n, _ in model.named_buffers() if n in live and n not in names]
+    weights = {n: buffers.copy(("model", n), live[n]) for n in names}
+    optimizer = _copy_tree(optimizers.state_dict(), ("optimizer",), buffers)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # CPU-GPU sync: the non-blocking copies must have landed
+    return Snapshot(
+        state=state, config=model.config, weights=weights, optimizer=optimizer, rng=capture_rng()
+    )
+
+
+def write_checkpoint(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> Path:
+    """Write a complete checkpoint of `snapshot.state.step` under `directory` and return its
+    path: temporary directory, fsync every file, manifest last, fsync, rename, fsync parent."""
+    state = snapshot.state
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / step_dir_name(state.step)
     tmp = directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
@@ -149,12 +211,15 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
 
-    model.save_pretrained(tmp, safe_serialization=True)
+    # The model as `save_pretrained` writes it: config.json and model.safetensors.
+    snapshot.config.save_pretrained(tmp)
+    save_file(snapshot.weights, tmp / MODEL_WEIGHTS, metadata={"format": "pt"})
+    failpoint.hit("mid_checkpoint", state.step)
     PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
     ).save_pretrained(tmp)
-    torch.save(optimizers.state_dict(), tmp / OPTIMIZER)
-    torch.save(capture_rng(), tmp / RNG)
+    torch.save(snapshot.optimizer, tmp / OPTIMIZER)
+    torch.save(snapshot.rng, tmp / RNG)
     (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
 
     parts = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -181,6 +246,66 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync_dir(directory)
     return final
+
+
+def save_checkpoint(
+    *,
+    directory: Path,
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    optimizers: Optimizers,
+    state: CheckpointState,
+) -> Path:
+    """Write a complete checkpoint of `state.step` under `directory`, synchronously."""
+    copy = snapshot(model=model, optimizers=optimizers, state=state, buffers=CpuBuffers())
+    return write_checkpoint(directory=directory, snapshot=copy, tokenizer=tokenizer)
+
+
+class CheckpointWriter:
+    """Saves in the background, one save at a time: `start` copies the state (the loop waits
+    for that only) and writes the files in a thread; `poll`/`wait` hand a finished save back to
+    the caller's thread, which registers it. A failed write raises from `poll`/`wait`."""
+
+    def __init__(self, *, directory: Path, tokenizer: Tokenizer) -> None:
+        self._directory = directory
+        self._tokenizer = tokenizer
+        self._buffers = CpuBuffers()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: tuple[CheckpointState, Future[Path]] | None = None
+        self.last_started: int | None = None  # the step of the newest save started
+
+    def start(
+        self, *, model: PreTrainedModel, optimizers: Optimizers, state: CheckpointState
+    ) -> tuple[CheckpointState, Path] | None:
+        """Start saving `state.step`. Waits first for the save in flight (the buffers are
+        reused) and returns it when it finished meanwhile."""
+        previous = self.wait()
+        copy = snapshot(model=model, optimizers=optimizers, state=state, buffers=self._buffers)
+        future = self._executor.submit(
+            write_checkpoint, directory=self._directory, snapshot=copy, tokenizer=self._tokenizer
+        )
+        self._pending = (state, future)
+        self.last_started = state.step
+        return previous
+
+    def poll(self) -> tuple[CheckpointState, Path] | None:
+        """The save in flight, if it has finished (once); None otherwise."""
+        if self._pending is None or not self._pending[1].done():
+            return None
+        return self.wait()
+
+    def wait(self) -> tuple[CheckpointState, Path] | None:
+        """Block until the save in flight is on disk and return it; None if there is none."""
+        if self._pending is None:
+            return None
+        state, future = self._pending
+        self._pending = None
+        return state, future.result()
+
+    def close(self) -> None:
+        """Let a save in flight finish writing, unregistered, and stop the thread."""
+        self._pending = None
+        self._executor.shutdown(wait=True)
 
 
 def _fsync_file(path: Path) -> None:
@@ -248,6 +373,18 @@ def find_latest_complete(directory: Path) -> Path | None:
     return None
 
 
+def quarantine_checkpoint(path: Path) -> Path | None:
+    """Rename a checkpoint that failed verification to `step-NNNNNNNN.corrupt-<unix time>`:
+    out of every listing (never resumed from, never deleted by retention), kept for a human to
+    inspect. Returns the new path, or None when there is nothing at `path`."""
+    if not path.exists():
+        return None
+    target = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+    os.replace(path, target)
+    _fsync_dir(path.parent)
+    return target
+
+
 def read_state(path: Path) -> CheckpointState:
     return CheckpointState(**json.loads((path / STATE).read_text()))
 
@@ -268,13 +405,22 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
 
 
 def apply_retention(
-    directory: Path, *, keep_last: int, keep_steps: Iterable[int] = ()
+    directory: Path,
+    *,
+    keep_last: int,
+    keep_steps: Iterable[int] = (),
+    newest: int | None = None,
 ) -> list[Path]:
     """Delete every checkpoint except the `keep_last` newest and those at `keep_steps` (each
-    phase's final one, which the next phase starts from). Returns what was deleted."""
+    phase's final one, which the next phase starts from; the one a resume started from).
+    With `newest` (the step just registered), only checkpoints up to it are ranked or deleted:
+    newer ones are leftovers of an attempt that died before registering them, which this
+    attempt will overwrite, and must not push the ones the service holds out of `keep_last`.
+    Returns what was deleted."""
     kept = set(keep_steps)
     deleted = []
-    for rank, (step, path) in enumerate(list_checkpoints(directory)):
+    ranked = [(s, p) for s, p in list_checkpoints(directory) if newest is None or s <= newest]
+    for rank, (step, path) in enumerate(ranked):
         if rank < keep_last or step in kept:
             continue
         shutil.rmtree(path)

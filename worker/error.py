@@ -41,3 +41,12 @@ class CheckpointError(TrainingError):
     """A checkpoint is incomplete, corrupt or does not belong to this run."""
 
     cause: FailureCause = "infrastructure"
+
+
+class OptimizerCoverageError(CheckpointError):
+    """After a resume, an optimizer holds parameters that got no gradient or did not change: it
+    was built over tensors the model no longer uses (e.g. before the weights were loaded with
+    `assign=True`). Deterministic, a bug of the restore order: cause `config`, so the service
+    does not retry it blindly."""
+
+    cause: FailureCause = "config"

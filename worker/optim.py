@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from contracts.workflow import OptimizerSpec
-from worker.error import ConfigError
+from worker.error import ConfigError, OptimizerCoverageError
 
 MUON = "muon"
 ADAMW = "adamw"
@@ -64,6 +64,35 @@ class Optimizers:
     def step(self) -> None:
         self.muon.step()
         self.adamw.step()
+
+    def step_checking_coverage(self) -> None:
+        """`step`, proving that every parameter of every group got a gradient and changed.
+        Copies every parameter once: meant for the first step after a resume, where an
+        optimizer built over stale tensors (not the live model's) would silently train
+        nothing. A group whose learning rate is 0 (a schedule's floor) is exempt from
+        "changed"."""
+        held = [
+            (name, param, group["lr"] > 0)
+            for _, optimizer, names in self._pairs()
+            for group in optimizer.param_groups
+            for name, param in zip(names, group["params"], strict=True)
+        ]
+        no_grad = [name for name, param, _ in held if param.grad is None]
+        before = [param.detach().clone() for _, param, _ in held]
+        self.step()
+        unchanged = [
+            name
+            for (name, param, moves), old in zip(held, before, strict=True)
+            if moves and torch.equal(param.detach(), old)
+        ]
+        if no_grad or unchanged:
+            raise OptimizerCoverageError(
+                f"the first step after resuming left {len(no_grad)} optimizer parameters "
+                f"without a gradient {_some(no_grad)} and {len(unchanged)} unchanged "
+                f"{_some(unchanged)}; the optimizers hold tensors the model does not use "
+                "(built before the weights were loaded, or the weights were loaded by "
+                "replacing the parameters): build them from the live model after loading"
+            )
 
     def zero_grad(self) -> None:
         self.muon.zero_grad(set_to_none=True)

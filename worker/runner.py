@@ -84,6 +84,7 @@ def _run_claimed(
             reporter=reporter,
             device=device,
             stop_requested=stop_requested,
+            restore_rng=settings.restore_rng,
         )
     except Superseded:
         log.info("%s was superseded; stopping without writing", where)

@@ -26,6 +26,21 @@ class WorkerSettings(BaseSettings):
     # None leaves torch's default (one thread per core).
     torch_threads: int | None = None
     heartbeat_seconds: float = 5.0
+    # Fault injection for tests only (see worker/failpoint.py): "name@step,...". Empty in
+    # production.
+    failpoints: str = ""
+    # Exists only so tests can prove that restoring the RNG matters (the negative control of
+    # the bit-exact resume test): False leaves the random streams unrestored on resume, so a
+    # resumed run with dropout differs from an uninterrupted one. Never set it in production.
+    restore_rng: bool = True
+
+    @field_validator("failpoints")
+    @classmethod
+    def _parse_failpoints(cls, value: str) -> str:
+        from worker.failpoint import parse
+
+        parse(value)  # fail fast on a typo: a test that arms nothing proves nothing
+        return value
 
     @field_validator("home")
     @classmethod

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -22,16 +23,19 @@ from transformers.utils import logging as transformers_logging
 
 from contracts.reports import CheckpointRef, Claim, EvalResult
 from contracts.workflow import Phase, Workflow
+from worker import failpoint
 from worker.checkpoint import (
     CheckpointState,
+    CheckpointWriter,
     LoadedCheckpoint,
     apply_retention,
     checkpoints_dir,
+    list_checkpoints,
     load_checkpoint,
+    quarantine_checkpoint,
     remove_stale_temporaries,
-    restore_rng,
-    save_checkpoint,
 )
+from worker.checkpoint import restore_rng as set_rng_state
 from worker.data import batch_for_step, load_phase_data
 from worker.error import CheckpointError, ConfigError, NonFiniteLoss, SignatureMismatch
 from worker.evaluate import evaluate_task
@@ -51,6 +55,9 @@ class PhaseOutcome:
     status: Literal["succeeded", "stopped", "preempted"]
     step: int  # the last global step done
     checkpoint: CheckpointRef | None  # the checkpoint of `step`, if one exists
+    # The checkpoint this attempt actually started from: the claim's `resume_from`, or an
+    # older one when that failed verification and was quarantined; None when none was loaded.
+    resumed_from: CheckpointRef | None = None
 
 
 def should_checkpoint(step: int, *, every: int, last: int) -> bool:
@@ -78,10 +85,12 @@ def train_phase(
     reporter: Reporter,
     device: torch.device,
     stop_requested: Callable[[], bool] = _never,
+    restore_rng: bool = True,
 ) -> PhaseOutcome:
     """Train phase `claim.phase_index` from where the claim says, reporting as it goes.
     `stop_requested` (a preemption notice) is polled once per step: when it turns true the
-    phase checkpoints at once and returns "preempted"."""
+    phase checkpoints at once and returns "preempted". `restore_rng=False` (tests only: the
+    negative control of exact resume) leaves the random streams unrestored on resume."""
     transformers_logging.disable_progress_bar()  # the worker logs; bars are for terminals
     phase_index = claim.phase_index
     phase = workflow.phases[phase_index]
@@ -111,10 +120,22 @@ def train_phase(
     inside = resumed if resumed is not None and resumed.state.phase_index == phase_index else None
     if inside is not None:
         optimizers.load_state_dict(inside.optimizer)
-        restore_rng(inside.rng)
+        if restore_rng:
+            set_rng_state(inside.rng)
+        else:
+            log.warning("not restoring the RNG (TRAINCTL_RESTORE_RNG=false): inexact resume")
     start = inside.state.step if inside is not None else offset
     tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
-    latest = claim.resume_from if inside is not None else None
+    resumed_from = None
+    if resumed is not None:
+        resumed_from = CheckpointRef(
+            path=str(resumed.path),
+            step=resumed.state.step,
+            phase_index=resumed.state.phase_index,
+            phase_step=resumed.state.phase_step,
+        )
+        log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
+    latest = resumed_from if inside is not None else None
 
     def evaluate(step: int, due: list[int]) -> list[EvalResult]:
         return [
@@ -130,7 +151,12 @@ def train_phase(
             for i in due
         ]
 
-    def checkpoint(step: int) -> CheckpointRef:
+    # Checkpoints are saved in the background: the loop waits only for the copy into CPU
+    # buffers; a save is registered (and retention applied) from this thread once on disk.
+    writer = CheckpointWriter(directory=directory, tokenizer=tokenizer)
+
+    def checkpoint(step: int) -> CheckpointRef | None:
+        """Start saving `step`; returns the previous save's registration if it was pending."""
         state = CheckpointState(
             step=step,
             phase_index=phase_index,
@@ -141,98 +167,126 @@ def train_phase(
             attempt_id=claim.attempt_id,
             groups=optimizers.group_names(),
         )
-        path = save_checkpoint(
-            directory=directory,
-            model=model,
-            tokenizer=tokenizer,
-            optimizers=optimizers,
-            state=state,
-        )
+        return register(writer.start(model=model, optimizers=optimizers, state=state))
+
+    def register(saved: tuple[CheckpointState, Path] | None) -> CheckpointRef | None:
+        if saved is None:
+            return None
+        state, path = saved
         ref = CheckpointRef(
-            path=str(path), step=step, phase_index=phase_index, phase_step=step - offset
+            path=str(path), step=state.step, phase_index=phase_index, phase_step=state.phase_step
         )
         # Registered only once complete on disk. Older checkpoints are deleted only once the
         # service holds this one: until then, what it would resume from must stay.
         if reporter.checkpoint(ref):
+            # Ranked up to this step only: unregistered leftovers of a dead attempt at later
+            # steps must not push out what the service holds or what this attempt started from.
             apply_retention(
-                directory, keep_last=workflow.checkpoint.keep_last, keep_steps=phase_finals
+                directory,
+                keep_last=workflow.checkpoint.keep_last,
+                keep_steps=phase_finals,
+                newest=state.step,
             )
-        log.info("checkpoint %s (phase %r, step %d)", path, phase.name, step)
+        failpoint.hit("after_checkpoint", state.step)
+        log.info("checkpoint %s (phase %r, step %d)", path, phase.name, state.step)
         return ref
 
-    if start == 0 and workflow.evals:
-        reporter.evals(evaluate(0, list(range(len(workflow.evals)))))
+    try:
+        if start == 0 and workflow.evals:
+            reporter.evals(evaluate(0, list(range(len(workflow.evals)))))
 
-    for step in range(start + 1, last + 1):  # `step`: the update this iteration makes
-        # --- learning rate (a pure function of the phase step)
-        multiplier = phase.lr_scale * lr_multiplier(
-            step - offset, total_steps=phase.steps, schedule=phase.schedule
+        for step in range(start + 1, last + 1):  # `step`: the update this iteration makes
+            # --- learning rate (a pure function of the phase step)
+            multiplier = phase.lr_scale * lr_multiplier(
+                step - offset, total_steps=phase.steps, schedule=phase.schedule
+            )
+            muon_lr = workflow.optimizer.muon_lr * multiplier
+            adamw_lr = workflow.optimizer.adamw_lr * multiplier
+            optimizers.set_lr(muon_lr=muon_lr, adamw_lr=adamw_lr)
+
+            # --- eval and checkpoint decisions, for the model after this update
+            due_evals = [
+                i
+                for i, spec in enumerate(workflow.evals)
+                if should_eval(step, every=spec.every_steps, last=last)
+            ]
+            checkpoint_due = should_checkpoint(
+                step, every=workflow.checkpoint.every_steps, last=last
+            )
+
+            # --- forward/backward over the step's microbatches
+            failpoint.hit("before_step", step)
+            started = time.perf_counter()
+            microbatches = [
+                batch_for_step(
+                    data, seed=workflow.seed, phase_index=phase_index, step=step, micro=micro
+                ).to(device)
+                for micro in range(phase.grad_accum)
+            ]
+            loss = backward_step(model, microbatches)
+
+            # --- gradient clipping, then the optimizer steps
+            max_norm = workflow.optimizer.grad_clip or math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            loss_value, norm_value = torch.stack([loss, grad_norm]).tolist()  # CPU-GPU sync
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                raise NonFiniteLoss(
+                    _non_finite_message(loss_value, norm_value, step, phase, latest)
+                )
+            if step == start + 1 and inside is not None:
+                optimizers.step_checking_coverage()  # copies every parameter, this step only
+            else:
+                optimizers.step()
+            optimizers.zero_grad()
+            failpoint.hit("after_step", step)
+            tokens_seen += phase.tokens_per_step
+            elapsed = time.perf_counter() - started
+
+            # --- log
+            reporter.metrics(
+                step,
+                {
+                    "loss": loss_value,
+                    "lr": adamw_lr,
+                    "lr_muon": muon_lr,
+                    "grad_norm": norm_value,
+                    "tokens_per_s": phase.tokens_per_step / elapsed,
+                },
+            )
+            # --- eval and checkpoint, as decided above
+            if due_evals:
+                reporter.evals(evaluate(step, due_evals))
+            latest = register(writer.poll()) or latest  # a background save that finished
+            if checkpoint_due:
+                latest = checkpoint(step) or latest
+
+            # --- stop check
+            if step < last and reporter.should_stop(step):
+                log.info("the service says stop at step %d; stopping without writing", step)
+                return PhaseOutcome(
+                    status="stopped", step=step, checkpoint=None, resumed_from=resumed_from
+                )
+            if step < last and stop_requested():
+                if writer.last_started != step:
+                    latest = checkpoint(step) or latest
+                latest = register(writer.wait()) or latest
+                return PhaseOutcome(
+                    status="preempted", step=step, checkpoint=latest, resumed_from=resumed_from
+                )
+
+        latest = register(writer.wait()) or latest
+        return PhaseOutcome(
+            status="succeeded", step=last, checkpoint=latest, resumed_from=resumed_from
         )
-        muon_lr = workflow.optimizer.muon_lr * multiplier
-        adamw_lr = workflow.optimizer.adamw_lr * multiplier
-        optimizers.set_lr(muon_lr=muon_lr, adamw_lr=adamw_lr)
-
-        # --- eval and checkpoint decisions, for the model after this update
-        due_evals = [
-            i
-            for i, spec in enumerate(workflow.evals)
-            if should_eval(step, every=spec.every_steps, last=last)
-        ]
-        checkpoint_due = should_checkpoint(step, every=workflow.checkpoint.every_steps, last=last)
-
-        # --- forward/backward over the step's microbatches
-        started = time.perf_counter()
-        microbatches = [
-            batch_for_step(
-                data, seed=workflow.seed, phase_index=phase_index, step=step, micro=micro
-            ).to(device)
-            for micro in range(phase.grad_accum)
-        ]
-        loss = backward_step(model, microbatches)
-
-        # --- gradient clipping, then the optimizer steps
-        max_norm = workflow.optimizer.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        loss_value, norm_value = torch.stack([loss, grad_norm]).tolist()  # CPU-GPU sync
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            raise NonFiniteLoss(_non_finite_message(loss_value, norm_value, step, phase, latest))
-        optimizers.step()
-        optimizers.zero_grad()
-        tokens_seen += phase.tokens_per_step
-        elapsed = time.perf_counter() - started
-
-        # --- log
-        reporter.metrics(
-            step,
-            {
-                "loss": loss_value,
-                "lr": adamw_lr,
-                "lr_muon": muon_lr,
-                "grad_norm": norm_value,
-                "tokens_per_s": phase.tokens_per_step / elapsed,
-            },
-        )
-        # --- eval and checkpoint, as decided above
-        if due_evals:
-            reporter.evals(evaluate(step, due_evals))
-        if checkpoint_due:
-            latest = checkpoint(step)
-
-        # --- stop check
-        if step < last and reporter.should_stop(step):
-            log.info("the service says stop at step %d; stopping without writing", step)
-            return PhaseOutcome(status="stopped", step=step, checkpoint=None)
-        if step < last and stop_requested():
-            if latest is None or latest.step != step:
-                latest = checkpoint(step)
-            return PhaseOutcome(status="preempted", step=step, checkpoint=latest)
-
-    return PhaseOutcome(status="succeeded", step=last, checkpoint=latest)
+    finally:
+        writer.close()  # after a failure or a stop: a save in flight ends unregistered
 
 
 def _checkpoint_to_resume(claim: Claim, offsets: list[int]) -> LoadedCheckpoint | None:
     """The claim's `resume_from`, verified: this run's, and either inside this phase or the
-    previous phase's final checkpoint. A later phase without one cannot start."""
+    previous phase's final checkpoint. One that fails verification (corrupt, truncated, no
+    manifest) is quarantined and the newest older usable checkpoint of the same directory is
+    used instead. A later phase without one cannot start."""
     phase_index = claim.phase_index
     if claim.resume_from is None:
         if phase_index > 0:
@@ -241,17 +295,19 @@ def _checkpoint_to_resume(claim: Claim, offsets: list[int]) -> LoadedCheckpoint 
                 f"{phase_index - 1}, but the claim of attempt {claim.attempt_id} names none"
             )
         return None
-    loaded = load_checkpoint(claim.resume_from.path)
+    path = Path(claim.resume_from.path)
+    try:
+        loaded = load_checkpoint(path)
+    except CheckpointError as err:
+        return _fall_back(path, claim.resume_from.step, err, claim, offsets)
     state = loaded.state
     if state.signature != claim.signature:
         raise SignatureMismatch(
             f"checkpoint {loaded.path} was written by a run with signature {state.signature}, "
             f"this run's signature is {claim.signature}"
         )
-    offset = offsets[phase_index]
-    inside = state.phase_index == phase_index and state.step > offset
-    previous_final = state.phase_index == phase_index - 1 and state.step == offset
-    if not (inside or previous_final):
+    if not _starts_phase(state, phase_index, offsets):
+        offset = offsets[phase_index]
         raise CheckpointError(
             f"checkpoint {loaded.path} (phase {state.phase_index}, step {state.step}) cannot "
             f"start phase {phase_index}, which covers steps {offset + 1}..; expected a "
@@ -259,6 +315,59 @@ def _checkpoint_to_resume(claim: Claim, offsets: list[int]) -> LoadedCheckpoint 
             f"(step {offset})"
         )
     return loaded
+
+
+def _starts_phase(state: CheckpointState, phase_index: int, offsets: list[int]) -> bool:
+    """A checkpoint inside phase `phase_index`, or the previous phase's final one."""
+    offset = offsets[phase_index]
+    inside = state.phase_index == phase_index and state.step > offset
+    previous_final = state.phase_index == phase_index - 1 and state.step == offset
+    return inside or previous_final
+
+
+def _fall_back(
+    path: Path, step: int, err: CheckpointError, claim: Claim, offsets: list[int]
+) -> LoadedCheckpoint:
+    """Quarantine the failed checkpoint `path` (of `step`) and load the newest older one in
+    its directory that verifies, is this run's and can start this phase."""
+    log.warning(
+        "checkpoint %s failed verification, quarantined as %s: %s",
+        path,
+        quarantine_checkpoint(path),
+        err,
+    )
+    for older_step, candidate in list_checkpoints(path.parent):
+        if older_step >= step:
+            continue
+        try:
+            loaded = load_checkpoint(candidate)
+        except CheckpointError as older_err:
+            log.warning(
+                "checkpoint %s failed verification, quarantined as %s: %s",
+                candidate,
+                quarantine_checkpoint(candidate),
+                older_err,
+            )
+            continue
+        state = loaded.state
+        if state.signature == claim.signature and _starts_phase(state, claim.phase_index, offsets):
+            log.warning(
+                "resuming from the older checkpoint %s (step %d) instead of %s (step %d), "
+                "which failed verification",
+                candidate,
+                older_step,
+                path,
+                step,
+            )
+            return loaded
+    usable = "one inside it" + (
+        f", or the final one of phase {claim.phase_index - 1}" if claim.phase_index else ""
+    )
+    raise CheckpointError(
+        f"checkpoint {path} (step {step}) failed verification ({err}) and was quarantined; "
+        f"no older complete checkpoint of this run in {path.parent} can start phase "
+        f"{claim.phase_index} ({usable}); resume the run from an earlier phase or start a new run"
+    )
 
 
 def _check_vocabulary(model: PreTrainedModel, tokenizer: Tokenizer, path: str) -> None:

@@ -216,3 +216,18 @@ def test_retention_keeps_the_newest_and_each_phase_final(tmp_path: Path) -> None
 def test_rng_capture_is_plain_data(tmp_path: Path) -> None:
     torch.save(capture_rng(), tmp_path / "rng.pt")
     restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+
+
+def test_retention_ignores_leftovers_newer_than_the_registered_step(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 9, 10):
+        (tmp_path / f"step-{step:08d}").mkdir()
+    # 9 and 10 were written by an attempt that died before registering them; 6 was just
+    # registered by the attempt that resumed from 4.
+    deleted = apply_retention(tmp_path, keep_last=2, newest=6)
+    assert [p.name for p in deleted] == ["step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000004",
+        "step-00000006",
+        "step-00000009",
+        "step-00000010",
+    ]

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from contracts.workflow import OptimizerSpec
-from worker.error import ConfigError
+from worker.error import ConfigError, OptimizerCoverageError
 from worker.optim import build_optimizers, split_parameters
 
 
@@ -99,3 +99,53 @@ def test_learning_rates_are_set_per_optimizer() -> None:
     optimizers.set_lr(muon_lr=0.5, adamw_lr=0.25)
     assert [g["lr"] for g in optimizers.muon.param_groups] == [0.5]
     assert [g["lr"] for g in optimizers.adamw.param_groups] == [0.25]
+
+
+def _resume(*, optimizers_first: bool) -> tuple[PreTrainedModel, Any]:
+    """A resume whose weights load by replacing the Parameter objects (`assign=True`), with the
+    optimizers built before (the real bug) or after (the correct order) the load."""
+    saved = tiny_model()
+    train_one_step(saved, build_optimizers(saved, OptimizerSpec()))
+    state = {name: tensor.clone() for name, tensor in saved.state_dict().items()}
+    model = tiny_model()
+    if optimizers_first:
+        optimizers = build_optimizers(model, OptimizerSpec())
+        model.load_state_dict(state, assign=True)
+    else:
+        model.load_state_dict(state, assign=True)
+        optimizers = build_optimizers(model, OptimizerSpec())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return model, optimizers
+
+
+def test_coverage_check_catches_optimizers_built_before_the_weights_were_loaded() -> None:
+    model, optimizers = _resume(optimizers_first=True)
+    live = {name: param.detach().clone() for name, param in model.named_parameters()}
+    with pytest.raises(OptimizerCoverageError, match="without a gradient") as caught:
+        optimizers.step_checking_coverage()
+    message = str(caught.value)
+    assert "model.layers.0.self_attn.q_proj.weight" in message
+    assert f"left {len(live)} optimizer parameters without a gradient" in message
+    assert caught.value.cause == "config"
+    # Indeed nothing the model uses was trained.
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), live[name]), name
+
+
+def test_coverage_check_passes_when_optimizers_are_built_after_the_weights() -> None:
+    model, optimizers = _resume(optimizers_first=False)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    optimizers.step_checking_coverage()
+    for name, param in model.named_parameters():
+        assert not torch.equal(param.detach(), before[name]), name
+
+
+def test_coverage_check_names_a_parameter_that_got_no_gradient() -> None:
+    model = tiny_model()
+    optimizers = build_optimizers(model, OptimizerSpec())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.model.layers[1].mlp.up_proj.weight.grad = None
+    with pytest.raises(OptimizerCoverageError, match=r"1 optimizer parameters without .*up_proj"):
+        optimizers.step_checking_coverage()

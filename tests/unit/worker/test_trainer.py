@@ -13,8 +13,16 @@ from safetensors.torch import load_file
 
 from contracts.reports import CheckpointRef, Claim
 from contracts.workflow import Workflow
-from worker.checkpoint import MODEL_WEIGHTS, OPTIMIZER, list_checkpoints, read_state
-from worker.error import NonFiniteLoss, SignatureMismatch
+from worker.checkpoint import (
+    MANIFEST,
+    MODEL_WEIGHTS,
+    OPTIMIZER,
+    checkpoints_dir,
+    list_checkpoints,
+    read_state,
+    verify_checkpoint,
+)
+from worker.error import CheckpointError, NonFiniteLoss, SignatureMismatch
 from worker.model import build_model
 from worker.schedule import lr_multiplier
 from worker.trainer import PhaseOutcome, should_checkpoint, should_eval, train_phase
@@ -158,6 +166,19 @@ def test_resume_matches_the_uninterrupted_run_bit_for_bit(
             state["momentum_buffer"], opt_b["muon"]["state"][name]["momentum_buffer"]
         )
 
+    # Negative control: the same resume without restoring the RNG draws other dropout masks.
+    unrestored_reporter = make_reporter()
+    claim = make_claim(workflow, artifact_dir=tmp_path / "c", resume_from=mid)
+    unrestored = run(claim, workflow, unrestored_reporter, restore_rng=False)
+    assert unrestored.checkpoint is not None
+    assert all(
+        unrestored_reporter.metrics_by_step[step]["loss"]
+        != straight_reporter.metrics_by_step[step]["loss"]
+        for step in range(5, 11)
+    )
+    c = weights(unrestored.checkpoint.path)
+    assert not any(torch.equal(a[name], c[name]) for name in a if name.endswith("proj.weight"))
+
 
 def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
     make_workflow: Callable[..., Workflow],
@@ -274,7 +295,12 @@ def test_a_stop_answer_stops_without_writing(
     outcome = run(make_claim(workflow), workflow, reporter)
     assert (outcome.status, outcome.step, outcome.checkpoint) == ("stopped", 3, None)
     assert max(reporter.metrics_by_step) == 3
-    assert [c.step for c in reporter.checkpoints] == [2]
+    # Step 2's save runs in the background: registered if it finished before step 3 ended,
+    # never after the stop answer; either way it is complete on disk and nothing came later.
+    assert [c.step for c in reporter.checkpoints] in ([], [2])
+    (saved,) = list_checkpoints(checkpoints_dir(make_claim(workflow).artifact_dir))
+    assert saved[0] == 2
+    verify_checkpoint(saved[1])
 
 
 def test_preemption_checkpoints_at_once(
@@ -358,3 +384,122 @@ def test_a_checkpoint_of_another_run_is_refused(
             workflow,
             make_reporter(),
         )
+
+
+def _truncate(path: Path) -> None:
+    weights = path / MODEL_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+def _flip_a_byte(path: Path) -> None:
+    optimizer = path / OPTIMIZER
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    optimizer.write_bytes(bytes(data))
+
+
+def _drop_manifest(path: Path) -> None:
+    (path / MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("corrupt", [_flip_a_byte, _truncate, _drop_manifest])
+def test_a_corrupt_resume_checkpoint_is_quarantined_and_the_previous_one_used(
+    corrupt: Callable[[Path], None],
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 8}],
+        checkpoint={"every_steps": 2, "keep_last": 5},
+    )
+    straight = make_reporter()
+    run(make_claim(workflow, artifact_dir=tmp_path / "run"), workflow, straight)
+    newest = next(c for c in straight.checkpoints if c.step == 6)
+    directory = Path(newest.path).parent
+    shutil.rmtree(directory / "step-00000008")  # as if killed before step 8's checkpoint
+    corrupt(Path(newest.path))
+
+    reporter = make_reporter()
+    outcome = run(
+        make_claim(workflow, artifact_dir=tmp_path / "run", resume_from=newest), workflow, reporter
+    )
+
+    assert outcome.resumed_from is not None
+    assert (outcome.resumed_from.step, outcome.resumed_from.path) == (
+        4,
+        str(directory / "step-00000004"),
+    )
+    assert sorted(reporter.metrics_by_step) == [5, 6, 7, 8]
+    for step in (5, 6, 7, 8):
+        assert reporter.metrics_by_step[step]["loss"] == straight.metrics_by_step[step]["loss"]
+    # Quarantined, not deleted, and out of every listing; a fresh step 6 replaced it.
+    (quarantined,) = directory.glob("step-00000006.corrupt-*")
+    assert quarantined.name.removeprefix("step-00000006.corrupt-").isdigit()
+    assert (quarantined / MODEL_WEIGHTS).is_file()
+    assert [s for s, _ in list_checkpoints(directory)] == [8, 6, 4, 2]
+
+
+def test_without_a_usable_older_checkpoint_the_resume_fails_naming_it(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 4}],
+        checkpoint={"every_steps": 2, "keep_last": 5},
+    )
+    reporter = make_reporter()
+    run(make_claim(workflow, artifact_dir=tmp_path / "run"), workflow, reporter)
+    first, second = reporter.checkpoints[:2]
+    _drop_manifest(Path(first.path))
+    _truncate(Path(second.path))
+    with pytest.raises(
+        CheckpointError, match=r"step-00000004 \(step 4\) failed.*no older complete checkpoint"
+    ):
+        run(
+            make_claim(workflow, artifact_dir=tmp_path / "run", resume_from=second),
+            workflow,
+            make_reporter(),
+        )
+    directory = Path(first.path).parent
+    assert len(list(directory.glob("step-0000000[24].corrupt-*"))) == 2
+
+
+def test_retention_keeps_the_resume_checkpoint_until_a_newer_one_is_registered(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 8}],
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    first = make_reporter()
+    run(make_claim(workflow), workflow, first, stop_requested=lambda: 4 in first.metrics_by_step)
+    start = first.checkpoints[-1]
+    assert start.step == 4
+    directory = Path(start.path).parent
+    # Leftovers of a dead attempt that got further but never registered these.
+    for step in (7, 8):
+        shutil.copytree(start.path, directory / f"step-{step:08d}")
+
+    on_disk_at_registration: dict[int, list[int]] = {}
+
+    class Recording(type(first)):  # type: ignore[misc]
+        def checkpoint(self, ref: CheckpointRef) -> bool:
+            on_disk_at_registration[ref.step] = [s for s, _ in list_checkpoints(directory)]
+            return bool(super().checkpoint(ref))
+
+    outcome = run(make_claim(workflow, resume_from=start), workflow, Recording())
+    assert outcome.resumed_from is not None and outcome.resumed_from.step == 4
+    # The start (4) is there when 6 is registered, and 6 (what the service now holds) is there
+    # when 8 is: the leftovers 7 and 8 did not count as "newest".
+    assert on_disk_at_registration == {6: [8, 7, 6, 4, 2], 8: [8, 7, 6, 4]}
+    assert [s for s, _ in list_checkpoints(directory)] == [8, 7]
