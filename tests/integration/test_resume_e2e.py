@@ -1,0 +1,231 @@
+"""Exact resume with real processes: a worker SIGKILLed at a chosen instant, the run resumed by
+`POST /runs/{id}/resume` (or handed back after SIGTERM), ends bit-identical to an uninterrupted
+run of the same workflow on CPU — weights, optimizer state, learning rate and every step's loss.
+
+The instants are armed with TRAINCTL_FAILPOINTS, which makes the worker SIGKILL itself at that
+point: the same as an external SIGKILL landing exactly there. Dropout is on, so a resume that
+did not restore the RNG would differ (the negative control proves that it does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from procs import DEMO, Proc, Stack, processes, wait_for_run
+from safetensors.torch import load_file
+
+from contracts.workflow import resolve_paths
+
+pytestmark = pytest.mark.integration
+
+STEPS = 12
+# A failpoint per instant of issue 3: before the first update, in the middle of the warmup,
+# right after a checkpoint is registered, and while one is being written.
+INSTANTS = {
+    "before_first_step": "before_step@1",
+    "mid_warmup": "after_step@2",
+    "right_after_checkpoint": "after_checkpoint@4",
+    "mid_checkpoint_write": "mid_checkpoint@8",
+}
+# Quick leases and heartbeats so a killed attempt's lease lapses within the test.
+SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": "3"}
+WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
+
+
+def workflow(objective: str, *, steps: int = STEPS) -> dict[str, Any]:
+    """One phase of the demo model with dropout on, checkpoints every 4 steps."""
+    doc = resolve_paths(json.loads(DEMO.read_text()), DEMO.parent)
+    source = next(p for p in doc["phases"] if p["objective"] == objective)
+    doc["model"]["config"]["attention_dropout"] = 0.1
+    doc["checkpoint"] = {"every_steps": 4, "keep_last": 2}
+    doc["evals"] = [{**e, "every_steps": 4} for e in doc["evals"] if e["task"] == objective]
+    doc["phases"] = [
+        {
+            **source,
+            "sequence_length": 64,
+            "microbatch_size": 8,
+            "steps": steps,
+            "schedule": {"kind": "cosine", "warmup_steps": 4},
+        }
+    ]
+    return doc
+
+
+def make_initial_checkpoint(path: Path, config: dict[str, Any]) -> Path:
+    """A model directory built in its own process (no RNG stream shared with the test)."""
+    script = (
+        "import json, sys, torch\n"
+        "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "cfg = json.loads(sys.argv[2]); kind = cfg.pop('model_type')\n"
+        "torch.manual_seed(7)\n"
+        "AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **cfg))"
+        ".save_pretrained(sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(path), json.dumps(config)], check=True)
+    return path
+
+
+def submission(objective: str, tmp_path: Path) -> dict[str, Any]:
+    doc = workflow(objective)
+    body: dict[str, Any] = {"workflow": doc}
+    if objective != "continued_pretrain":  # the SFT case starts from an initial checkpoint
+        body["initial_checkpoint"] = str(
+            make_initial_checkpoint(tmp_path / "initial", doc["model"]["config"])
+        )
+    return body
+
+
+def resume_when_lease_lapses(api: httpx.Client, run_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        answer = api.post(f"/runs/{run_id}/resume")
+        if answer.status_code != 409 or time.monotonic() > deadline:
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+        assert answer.json()["error"]["code"] == "run_active", answer.text
+        time.sleep(0.5)
+
+
+def final_state(run: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    checkpoint = Path(run["latest_checkpoint"]["path"])
+    assert run["latest_checkpoint"]["step"] == run["total_steps"]
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    return load_file(checkpoint / "model.safetensors"), optimizer
+
+
+def differences(a: Any, b: Any, where: str = "") -> list[str]:
+    """Every place where two nested states differ (tensors compared bit for bit)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{where}[{i}]")
+        ]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def series(api: httpx.Client, run_id: str) -> dict[str, Any]:
+    return api.get(f"/runs/{run_id}/metrics", params={"names": "loss,lr,lr_muon"}).json()
+
+
+def assert_identical_runs(
+    api: httpx.Client, resumed: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    weights, optimizer = final_state(resumed)
+    ref_weights, ref_optimizer = final_state(reference)
+    assert differences(weights, ref_weights) == []
+    assert differences(optimizer, ref_optimizer) == []
+    # Every step's loss and learning rate, not only the end: no step lost, none done twice.
+    assert series(api, resumed["id"]) == series(api, reference["id"])
+    assert resumed["signature"] == reference["signature"]
+
+
+def kill_and_resume(
+    stack: Stack, api: httpx.Client, body: dict[str, Any], failpoint: str, **resume_env: str
+) -> tuple[dict[str, Any], Proc]:
+    """Submit, let a worker armed with `failpoint` die there, then resume on a clean worker."""
+    doomed = stack.worker(**WORKER_ENV, TRAINCTL_FAILPOINTS=failpoint)
+    created = api.post("/runs", json=body)
+    assert created.status_code == 201, created.text
+    assert doomed.popen.wait(timeout=180) == -signal.SIGKILL, doomed.tail()
+    before = api.get(f"/runs/{created.json()['id']}").json()
+    assert before["status"] == "running", "a SIGKILLed worker says nothing; the run looks alive"
+
+    clean = stack.worker(**WORKER_ENV, **resume_env)
+    answer = resume_when_lease_lapses(api, created.json()["id"])
+    assert answer["id"] == created.json()["id"], "a resumed run keeps its id"
+    run = wait_for_run(api, answer["id"], timeout=300, procs=[clean])
+    assert run["status"] == "succeeded", run
+    assert [(a["number"], a["status"]) for a in run["attempts"]] == [(1, "lost"), (2, "succeeded")]
+    return run, clean
+
+
+def reference_run(api: httpx.Client, body: dict[str, Any], worker: Proc) -> dict[str, Any]:
+    created = api.post("/runs", json=body)
+    assert created.status_code == 201, created.text
+    run = wait_for_run(api, created.json()["id"], timeout=300, procs=[worker])
+    assert run["status"] == "succeeded", run
+    return run
+
+
+@pytest.mark.parametrize("instant", INSTANTS)
+@pytest.mark.parametrize("objective", ["continued_pretrain", "summarization"])
+def test_resume_after_sigkill_matches_uninterrupted_run(
+    tmp_path: Path, postgres_url: str, objective: str, instant: str
+) -> None:
+    body = submission(objective, tmp_path)
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
+        with stack.api() as api:
+            resumed, worker = kill_and_resume(stack, api, body, INSTANTS[instant])
+            reference = reference_run(api, body, worker)
+            assert_identical_runs(api, resumed, reference)
+            if instant == "mid_checkpoint_write":
+                # The half-written step-8 directory never counted and was cleaned up.
+                checkpoints = Path(resumed["latest_checkpoint"]["path"]).parent
+                assert not [p.name for p in checkpoints.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_resume_without_rng_restore_differs(tmp_path: Path, postgres_url: str) -> None:
+    """Negative control: the comparison above can fail. With the RNG not restored, dropout
+    draws other masks after the resume and the final weights differ."""
+    body = submission("continued_pretrain", tmp_path)
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
+        with stack.api() as api:
+            resumed, worker = kill_and_resume(
+                stack, api, body, INSTANTS["right_after_checkpoint"], TRAINCTL_RESTORE_RNG="false"
+            )
+            reference = reference_run(api, body, worker)
+            weights, _ = final_state(resumed)
+            ref_weights, _ = final_state(reference)
+            assert differences(weights, ref_weights) != []
+
+
+def test_sigterm_checkpoints_hands_back_and_loses_no_step(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """SIGTERM is a preemption notice: the worker checkpoints now, reports `preempted` and
+    exits; the service queues the next attempt, which continues from that checkpoint."""
+    body = {"workflow": workflow("continued_pretrain", steps=60)}
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
+        with stack.api() as api:
+            noticed = stack.worker(**WORKER_ENV)
+            run_id = api.post("/runs", json=body).json()["id"]
+            while api.get(f"/runs/{run_id}").json()["step"] < 3:
+                assert noticed.popen.poll() is None, noticed.tail()
+                time.sleep(0.05)
+            os.kill(noticed.pid, signal.SIGTERM)
+            assert noticed.popen.wait(timeout=60) == 0, noticed.tail()
+
+            run = api.get(f"/runs/{run_id}").json()
+            first = run["attempts"][0]
+            assert first["status"] == "preempted"
+            stopped_at = run["latest_checkpoint"]["step"]
+            assert 3 <= stopped_at < 60, "the notice was taken mid-phase, with a checkpoint"
+
+            clean = stack.worker(**WORKER_ENV)
+            run = wait_for_run(api, run_id, timeout=300, procs=[clean])
+            assert run["status"] == "succeeded", run
+            assert [a["status"] for a in run["attempts"]] == ["preempted", "succeeded"]
+            assert_identical_runs(api, run, reference_run(api, body, clean))
