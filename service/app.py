@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from service.db import make_engine, make_session_factory
 from service.dispatch import OutboxPump, make_celery
 from service.errors import install_error_handlers
+from service.reaper import Reaper
 from service.routes import health, internal, runs, workflows
 from service.settings import ServiceSettings
 
@@ -28,13 +29,20 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         queue=settings.queue,
         interval=settings.outbox_interval_seconds,
     )
+    reaper = Reaper(
+        session_factory=session_factory,
+        dispatch=pump.dispatch,
+        interval=settings.reaper_interval_seconds,
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         pump.start()
+        reaper.start()
         try:
             yield
         finally:
+            reaper.stop()
             pump.close()
             engine.dispose()
 
@@ -48,7 +56,9 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.session_factory = session_factory
     app.state.pump = pump
+    app.state.reaper = reaper
     install_error_handlers(app)
+    app.add_middleware(internal.BodyLimit)
     for module in (health, workflows, runs, internal):
         app.include_router(module.router)
     return app

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from contracts.reports import (
@@ -27,6 +29,7 @@ from contracts.reports import (
     HeartbeatAnswer,
     MetricBatch,
 )
+from contracts.reports import MetricPoint as ReportedPoint
 from contracts.signature import Digests
 from service.checkpoint import latest_checkpoint
 from service.db import insert_for, rowcount
@@ -46,11 +49,53 @@ from service.models import (
 
 _STOP_HINT = "stop now and write nothing more; the run is owned by a newer attempt or ended"
 
+# The one error cause retried blindly (a new attempt while max_restarts lasts): the machine or
+# the network failed, not the run. data, config, nan, oom and signature_mismatch would fail the
+# same way again.
+RETRIED_CAUSE = "infrastructure"
+# Attempt ends that count against max_preemptions: the worker was taken away.
+PREEMPTION_STATUSES = ("preempted", "lost")
 
-def restarts_used(attempts: Iterable[Attempt]) -> int:
-    """Attempts beyond the first of each phase: each one is a restart."""
-    attempts = list(attempts)
-    return len(attempts) - len({a.phase_index for a in attempts})
+
+@dataclass(frozen=True)
+class BudgetUse:
+    """What a run's attempts used of its budgets. Derived from the attempts each time (never
+    a stored counter that could drift from them)."""
+
+    restarts: int  # attempts failed with cause `infrastructure` (max_restarts)
+    preemptions: int  # attempts preempted or lost (max_preemptions)
+
+
+def budget_use(attempts: Iterable[Attempt]) -> BudgetUse:
+    restarts = preemptions = 0
+    for attempt in attempts:
+        if attempt.status == "failed" and attempt.cause == RETRIED_CAUSE:
+            restarts += 1
+        elif attempt.status in PREEMPTION_STATUSES:
+            preemptions += 1
+    return BudgetUse(restarts=restarts, preemptions=preemptions)
+
+
+def recovery_seconds(attempts: Iterable[Attempt], now: datetime) -> float:
+    """Time lost to recovery: for each attempt that follows a preempted or lost one, from the
+    previous attempt's end (a lost one's lease expiry: the service could not know sooner) to
+    the new attempt's claim, or to `now` while it still waits for a worker."""
+    ordered = sorted(attempts, key=lambda a: a.number)
+    total = 0.0
+    for previous, attempt in pairwise(ordered):
+        if previous.status not in PREEMPTION_STATUSES:
+            continue
+        ended = previous.lease_expires_at if previous.status == "lost" else previous.finished_at
+        if ended is None:
+            continue
+        if attempt.claimed_at is not None:
+            resumed = attempt.claimed_at
+        elif attempt.status == "queued":
+            resumed = now
+        else:
+            continue
+        total += max(0.0, (resumed - ended).total_seconds())
+    return total
 
 
 def finite_or_none(value: float) -> float | None:
@@ -185,6 +230,23 @@ def _fence(
     return _get_attempt(session, attempt_id)
 
 
+def lock_current_attempt(session: Session, run_id: str) -> Attempt | None:
+    """The run's newest attempt, its row locked. Attempt first, then run: the worker protocol
+    (report, finish, claim) locks in that order, so resume, pause and cancel do too and cannot
+    deadlock with it."""
+    attempt_id = session.scalar(
+        select(Attempt.id).where(Attempt.run_id == run_id).order_by(Attempt.number.desc()).limit(1)
+    )
+    if attempt_id is None:
+        return None
+    return session.scalars(
+        select(Attempt)
+        .where(Attempt.id == attempt_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
+
+
 def _is_current(session: Session, attempt: Attempt) -> bool:
     if attempt.status in ("superseded", "lost"):
         return False
@@ -236,15 +298,19 @@ def claim_attempt(
     attempt = _get_attempt(session, attempt_id)
     run = session.get(Run, attempt.run_id, with_for_update=True)
     assert run is not None
-    if run.status in (*FINISHED_RUN_STATUSES, "paused"):
+    if run.status in (*FINISHED_RUN_STATUSES, "paused") or run.pause_requested_at is not None:
         attempt.status = "superseded"
         attempt.finished_at = now
+        if run.status not in FINISHED_RUN_STATUSES:
+            run.status = "paused"
         session.commit()
         raise _superseded(attempt, None)
     workflow = session.get(Workflow, run.workflow_id)
     assert workflow is not None
     resume = latest_checkpoint(session=session, run_id=run.id)
     attempt.resume_checkpoint_id = None if resume is None else resume.id
+    start = resume.step if resume is not None else phase_start(run, attempt.phase_index)
+    discard_reports_after(session=session, run_id=run.id, step=start)
     run.status = "running"
     run.phase_index = attempt.phase_index
     session.commit()
@@ -264,6 +330,23 @@ def claim_attempt(
     )
 
 
+def phase_start(run: Run, phase_index: int) -> int:
+    """The global step a phase starts after (its first step is this + 1)."""
+    return int(run.plan["phases"][phase_index]["first_step"]) - 1
+
+
+def discard_reports_after(*, session: Session, run_id: str, step: int) -> None:
+    """Delete the run's metric points and evaluations after `step`: the attempt starting there
+    reports those steps again, so a curve has each step once, from the attempt that counts,
+    and no point from an abandoned future. Does not commit."""
+    for model in (MetricPoint, EvalResult):
+        session.execute(
+            delete(model)
+            .where(model.run_id == run_id, model.step > step)
+            .execution_options(synchronize_session=False)
+        )
+
+
 def _checkpoint_ref(checkpoint: Checkpoint) -> CheckpointRef:
     return CheckpointRef(
         path=checkpoint.path,
@@ -277,7 +360,8 @@ def heartbeat(
     *, session: Session, attempt_id: str, report: Heartbeat, lease_seconds: float
 ) -> HeartbeatAnswer:
     """Renew the lease and record progress. A heartbeat is how a worker learns it must stop:
-    a stale token or an attempt that is no longer running answers `stop`, not an error."""
+    a stale token, an attempt that is no longer running or a cancelled run answers `stop`
+    (not an error); a pause request answers `pause` (checkpoint, then finish `paused`)."""
     try:
         attempt = _fence(
             session=session,
@@ -291,13 +375,15 @@ def heartbeat(
         raise
     run = session.get(Run, attempt.run_id)
     assert run is not None
-    if run.status in (*FINISHED_RUN_STATUSES, "paused"):
+    if run.status in FINISHED_RUN_STATUSES:
         session.rollback()
         return HeartbeatAnswer(action="stop", lease_seconds=lease_seconds)
     # The running attempt's step is the truth, even when lower (it resumed from a checkpoint).
     run.step = report.step
+    # The lease is renewed either way: a pausing worker needs time to write its checkpoint.
+    pausing = run.pause_requested_at is not None or run.status == "paused"
     session.commit()
-    return HeartbeatAnswer(action="continue", lease_seconds=lease_seconds)
+    return HeartbeatAnswer(action="pause" if pausing else "continue", lease_seconds=lease_seconds)
 
 
 def _advance_step(session: Session, run_id: str, step: int) -> None:
@@ -309,18 +395,55 @@ def _advance_step(session: Session, run_id: str, step: int) -> None:
     )
 
 
+# The longest metric name the metrics table stores (MetricPoint.name).
+MAX_METRIC_NAME = 200
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """One refused item of a batch, by its index in the request."""
+
+    index: int
+    error: str
+
+
+def point_error(point: ReportedPoint) -> str | None:
+    """Why one metric point cannot be stored, or None. A non-finite value is refused (a NaN
+    loss is the worker's to report as a failure with cause `nan`), not stored as a gap."""
+    if not point.name.strip():
+        return "name is empty; name the metric (e.g. 'loss')"
+    if len(point.name) > MAX_METRIC_NAME:
+        return f"name is {len(point.name)} characters long; at most {MAX_METRIC_NAME} are stored"
+    if point.step < 0:
+        return f"step {point.step} is negative; steps count from 0"
+    if not math.isfinite(point.value):
+        return (
+            f"value {point.value} at step {point.step} is not finite; only finite values are stored"
+        )
+    return None
+
+
 def record_metrics(
     *, session: Session, attempt_id: str, batch: MetricBatch, lease_seconds: float
-) -> int:
-    """Upsert points by (run, name, step): a resumed attempt's re-report wins."""
+) -> tuple[int, list[ItemError]]:
+    """Upsert points by (run, name, step): a resumed attempt's re-report wins. A point that
+    cannot be stored is answered as an error with its index; the rest are stored. Returns
+    (stored, errors)."""
     attempt = _fence(
         session=session,
         attempt_id=attempt_id,
         fencing_token=batch.fencing_token,
         lease_seconds=lease_seconds,
     )
+    errors: list[ItemError] = []
     # One statement may not touch a row twice (Postgres refuses); the batch's last value wins.
-    latest = {(p.name, p.step): p.value for p in batch.points}
+    latest: dict[tuple[str, int], float] = {}
+    for index, point in enumerate(batch.points):
+        error = point_error(point)
+        if error is None:
+            latest[(point.name, point.step)] = point.value
+        else:
+            errors.append(ItemError(index=index, error=error))
     if latest:
         stmt = insert_for(session, MetricPoint).values(
             [
@@ -328,7 +451,7 @@ def record_metrics(
                     "run_id": attempt.run_id,
                     "name": name,
                     "step": step,
-                    "value": finite_or_none(value),
+                    "value": value,
                     "attempt_id": attempt.id,
                 }
                 for (name, step), value in latest.items()
@@ -342,7 +465,7 @@ def record_metrics(
         )
         _advance_step(session, attempt.run_id, max(step for _, step in latest))
     session.commit()
-    return len(batch.points)
+    return len(batch.points) - len(errors), errors
 
 
 def record_evals(
@@ -433,9 +556,8 @@ def register_checkpoint(
 def finish_attempt(
     *, session: Session, attempt_id: str, report: Finish, lease_seconds: float
 ) -> Attempt | None:
-    """End an attempt and move the run on: the next phase, success, failure, or a restart after
-    a preemption (while the run's restart budget lasts). Returns the new attempt, if any, whose
-    outbox row the caller dispatches after this commit."""
+    """End an attempt and move the run on (see `settle_attempt`). Returns the new attempt, if
+    any, whose outbox row the caller dispatches after this commit."""
     now = utcnow()
     attempt = _fence(
         session=session,
@@ -444,45 +566,72 @@ def finish_attempt(
         lease_seconds=lease_seconds,
         status=report.status,
         finished_at=now,
-        cause=(report.cause or "infrastructure") if report.status == "failed" else None,
+        cause=(report.cause or RETRIED_CAUSE) if report.status == "failed" else None,
         message=report.message,
     )
     run = session.get(Run, attempt.run_id, with_for_update=True)
     assert run is not None
     run.step = report.step
-    phases = run.plan["phases"]
-    phase_name = phases[attempt.phase_index]["name"]
-    next_attempt = None
-
-    if report.status == "succeeded":
-        if attempt.phase_index + 1 < len(phases):
-            run.phase_index = attempt.phase_index + 1
-            next_attempt = add_attempt(session=session, run=run, phase_index=run.phase_index)
-        else:
-            run.status, run.finished_at = "succeeded", now
-    elif report.status == "failed":
-        run.status, run.finished_at = "failed", now
-        # A worker that cannot say why it failed: from here, that is an infrastructure failure.
-        run.cause = report.cause or "infrastructure"
-        run.message = (
-            f"attempt {attempt.number} failed in phase {phase_name!r} at step {report.step}: "
-            f"{report.message or 'the worker gave no reason'}"
-        )
-    else:
-        used = restarts_used(session.scalars(select(Attempt).where(Attempt.run_id == run.id)))
-        if used < run.max_restarts:
-            run.status = "recovering"
-            run.message = (
-                f"attempt {attempt.number} was preempted in phase {phase_name!r} at step "
-                f"{report.step}; restart {used + 1} of {run.max_restarts}"
-            )
-            next_attempt = add_attempt(session=session, run=run, phase_index=attempt.phase_index)
-        else:
-            run.status, run.finished_at, run.cause = "failed", now, "restarts_exhausted"
-            run.message = (
-                f"attempt {attempt.number} was preempted in phase {phase_name!r} at step "
-                f"{report.step} and the run has used all {run.max_restarts} restarts "
-                "(max_restarts); submit it again with a larger max_restarts, or resume it"
-            )
+    next_attempt = settle_attempt(session=session, run=run, attempt=attempt, now=now)
     session.commit()
     return next_attempt
+
+
+def settle_attempt(
+    *, session: Session, run: Run, attempt: Attempt, now: datetime
+) -> Attempt | None:
+    """Move the run on after `attempt` ended (its worker finished it, or it was lost): the next
+    phase, success, a pause, a failure with the attempt's cause, or a new attempt for the same
+    phase from the latest checkpoint while the budget for how it ended lasts (preempted or
+    lost: max_preemptions; failed with cause `infrastructure`: max_restarts). Both rows must be
+    locked by the caller. Does not commit; returns the new attempt, if any."""
+    if run.status in FINISHED_RUN_STATUSES:
+        # Cancelled while the worker ran: nothing follows.
+        return None
+    phases = run.plan["phases"]
+    phase = f"phase {phases[attempt.phase_index]['name']!r}"
+    where = f"attempt {attempt.number} in {phase} at step {run.step}"
+
+    if attempt.status == "succeeded":
+        if attempt.phase_index + 1 == len(phases):
+            run.status, run.finished_at, run.pause_requested_at = "succeeded", now, None
+            return None
+        run.phase_index = attempt.phase_index + 1
+        if run.pause_requested_at is not None:
+            run.status = "paused"
+            run.message = f"paused after {phase} ended; resume continues with the next phase"
+            return None
+        return add_attempt(session=session, run=run, phase_index=run.phase_index)
+
+    if attempt.status == "failed" and attempt.cause != RETRIED_CAUSE:
+        run.status, run.finished_at, run.cause = "failed", now, attempt.cause
+        run.message = f"{where} failed: {attempt.message or 'the worker gave no reason'}"
+        return None
+
+    if "paused" in (attempt.status, run.status) or run.pause_requested_at is not None:
+        run.status = "paused"
+        run.message = (
+            f"paused: {where} ended {attempt.status}; resume continues from the latest checkpoint"
+        )
+        return None
+
+    use = budget_use(session.scalars(select(Attempt).where(Attempt.run_id == run.id)))
+    if attempt.status in PREEMPTION_STATUSES:
+        used, budget, name = use.preemptions, run.max_preemptions, "max_preemptions"
+        what = "was preempted" if attempt.status == "preempted" else "lost its worker"
+    else:
+        used, budget, name = use.restarts, run.max_restarts, "max_restarts"
+        what = f"failed ({attempt.message or 'cause infrastructure'})"
+    if used <= budget:
+        run.status = "recovering"
+        run.message = (
+            f"{where} {what}; restarting from the latest checkpoint ({used} of {budget} "
+            f"{name} used)"
+        )
+        return add_attempt(session=session, run=run, phase_index=attempt.phase_index)
+    run.status, run.finished_at, run.cause = "failed", now, "restarts_exhausted"
+    run.message = (
+        f"{where} {what}, and the run has used all {budget} of its {name}; resume it, or "
+        f"submit it again with a larger {name}"
+    )
+    return None

@@ -13,6 +13,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException
 
 from contracts.workflow import json_path
@@ -37,6 +39,16 @@ class ApiError(Exception):
         self.message = message
         self.details = details
         self.headers = headers
+
+
+class PayloadTooLarge(HTTPException):
+    """A request body over a route's byte limit, found while it streams in. An HTTPException
+    so that FastAPI's body parsing passes it on instead of answering 400."""
+
+    code = "payload_too_large"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
 
 
 def not_found(kind: str, ident: str, hint: str) -> ApiError:
@@ -74,6 +86,25 @@ def validation_details(errors: Any) -> list[dict[str, str]]:
     return details
 
 
+def database_unavailable(err: Exception) -> ApiError:
+    return ApiError(
+        503,
+        "database_unavailable",
+        f"the database does not answer ({type(err).__name__}); retry shortly, and check "
+        "TRAINCTL_DATABASE_URL and that the database is up if it persists",
+        headers={"Retry-After": "5"},
+    )
+
+
+def is_unavailable(err: Exception) -> bool:
+    """The database cannot be reached (refused, dropped, or no pooled connection in time),
+    as opposed to an error in a statement. Deadlocks and lock timeouts are OperationalError
+    too; a 503 with Retry-After is the right answer to those as well."""
+    if isinstance(err, OperationalError | PoolTimeoutError):
+        return True
+    return isinstance(err, DBAPIError) and err.connection_invalidated
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -90,8 +121,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}; see /docs for the API"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
+        code = exc.code if isinstance(exc, PayloadTooLarge) else _code_for(exc.status_code)
         return JSONResponse(
-            error_body(_code_for(exc.status_code), message),
+            error_body(code, message),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
@@ -108,6 +140,19 @@ def install_error_handlers(app: FastAPI) -> None:
                 details,
             ),
             status_code=422,
+        )
+
+    @app.exception_handler(DBAPIError)
+    @app.exception_handler(PoolTimeoutError)
+    async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+        if not is_unavailable(exc):
+            return await _unexpected(request, exc)
+        log.warning("%s %s: database unavailable (%s)", request.method, request.url.path, exc)
+        error = database_unavailable(exc)
+        return JSONResponse(
+            error_body(error.code, error.message),
+            status_code=error.status,
+            headers=error.headers,
         )
 
     @app.exception_handler(Exception)

@@ -32,7 +32,7 @@ RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 FINISHED_RUN_STATUSES = ("succeeded", "failed", "cancelled")
 
 AttemptStatus = Literal[
-    "queued", "running", "succeeded", "failed", "preempted", "lost", "superseded"
+    "queued", "running", "succeeded", "failed", "preempted", "paused", "lost", "superseded"
 ]
 ATTEMPT_STATUSES: tuple[str, ...] = get_args(AttemptStatus)
 
@@ -129,8 +129,14 @@ class Run(Base):
     # SHA-256 of the request that used idempotency_key: the same key with another body is a
     # conflict, not a replay.
     request_sha256: Mapped[str | None] = mapped_column(String(64))
-    # Restart budget for preemptions and lost workers (errors are never retried blindly).
+    # Budgets, counted from the run's attempts (service.attempt.budget_use): errors with cause
+    # `infrastructure` against max_restarts; preemptions and lost workers against
+    # max_preemptions. Other causes (data, nan, oom, config, ...) are never retried blindly.
     max_restarts: Mapped[int]
+    max_preemptions: Mapped[int]
+    # Set by POST /runs/{id}/pause while a worker runs the attempt: its heartbeats answer
+    # "pause" until it finishes `paused`. Cleared when the run is resumed.
+    pause_requested_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None]
@@ -191,7 +197,8 @@ class MetricPoint(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True)
-    # NULL stands for a non-finite value (NaN, inf): SQLite cannot store NaN, JSON cannot say it.
+    # Non-finite points are refused per item (service.attempt.point_error); NULL is left only
+    # in rows stored before that, when NaN and inf were kept as NULL.
     value: Mapped[float | None] = mapped_column(Float)
     attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
 

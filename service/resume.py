@@ -8,11 +8,16 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contracts.signature import FieldDiff, Signature, diff_components
-from service.attempt import add_attempt, digests_of, expire_attempt, is_active
+from service.attempt import (
+    add_attempt,
+    digests_of,
+    expire_attempt,
+    is_active,
+    lock_current_attempt,
+)
 from service.digest import resolve_digests
 from service.errors import ApiError
 from service.models import Attempt, Run, utcnow
@@ -66,29 +71,6 @@ def resign(
     return sign_run(workflow=spec, digests=digests, initial=initial), initial
 
 
-def _lock_current_attempt(session: Session, run_id: str) -> Attempt | None:
-    """The run's newest attempt, its row locked. Attempt first, then run: the worker protocol
-    (report, finish, claim) locks in that order, so resume does too and cannot deadlock."""
-
-    def newest() -> str | None:
-        return session.scalar(
-            select(Attempt.id)
-            .where(Attempt.run_id == run_id)
-            .order_by(Attempt.number.desc())
-            .limit(1)
-        )
-
-    attempt_id = newest()
-    if attempt_id is None:
-        return None
-    return session.scalars(
-        select(Attempt)
-        .where(Attempt.id == attempt_id)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).one()
-
-
 def _run_active(run: Run, attempt: Attempt) -> ApiError:
     if attempt.status == "queued":
         why = "is queued, waiting for a worker"
@@ -120,10 +102,11 @@ def _refuse(session: Session, error: ApiError) -> NoReturn:
 def resume_run(
     *, session: Session, run_id: str, request: RunResume, data_root: Path
 ) -> tuple[Run, Attempt | None]:
-    """Check the signature, then: a succeeded run is a no-op (no attempt); an active one is 409
-    `run_active`; otherwise a running attempt whose lease expired is marked lost, and a new
-    attempt continues the run's current phase. Commits. Returns (run, new attempt or None);
-    the caller dispatches the new attempt's outbox row."""
+    """Check the signature, then: a succeeded run is a no-op (no attempt); an active one (a
+    paused one whose worker is still writing its checkpoint, too) is 409 `run_active`;
+    otherwise (failed, paused, cancelled, or lost) a running attempt whose lease expired is
+    marked lost, and a new attempt continues the run's current phase. Commits. Returns (run,
+    new attempt or None); the caller dispatches the new attempt's outbox row."""
     run = get_run(session=session, run_id=run_id)
     # Hashing can take a while: it happens before any row is locked.
     signature, initial = resign(session=session, run=run, request=request, data_root=data_root)
@@ -133,7 +116,7 @@ def resume_run(
 
     # Concurrent resumes (and finishes) of this run serialise on these locks; the loser sees
     # the winner's queued attempt and answers run_active.
-    current = _lock_current_attempt(session, run_id)
+    current = lock_current_attempt(session, run_id)
     locked = session.get(Run, run_id, with_for_update=True, populate_existing=True)
     assert locked is not None
     run = locked
@@ -142,7 +125,7 @@ def resume_run(
         return run, None
     if current is not None:
         now = utcnow()
-        newest = _lock_current_attempt(session, run_id)
+        newest = lock_current_attempt(session, run_id)
         if newest is not None and newest.id != current.id:
             # Another attempt was added while this request waited for the locks.
             _refuse(session, _run_active(run, newest))
@@ -155,7 +138,7 @@ def resume_run(
 
     attempt = add_attempt(session=session, run=run, phase_index=run.phase_index)
     run.status = "recovering"
-    run.cause = run.message = run.finished_at = None
+    run.cause = run.message = run.finished_at = run.pause_requested_at = None
     if initial is not None:
         # The same content may now lie elsewhere: workers read it where it is now.
         run.initial_checkpoint = initial.path

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,11 +17,11 @@ from sqlalchemy.orm import Session
 from contracts.signature import Digests, Signature, canonical_json, compute_signature
 from contracts.workflow import Plan, plan
 from contracts.workflow import Workflow as WorkflowSpec
-from service.attempt import add_attempt, restarts_used
+from service.attempt import add_attempt, budget_use, recovery_seconds
 from service.checkpoint import list_checkpoints
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
-from service.models import Attempt, Checkpoint, Run, RunStatus, new_run_id
+from service.models import Attempt, Checkpoint, Run, RunStatus, new_run_id, utcnow
 from service.schemas import (
     AttemptPublic,
     CheckpointSummary,
@@ -121,6 +122,7 @@ def create_run(
     idempotency_key: str | None,
     data_root: Path,
     default_max_restarts: int,
+    default_max_preemptions: int,
 ) -> tuple[Run, bool]:
     """Create a run (or return the one this Idempotency-Key already created) and commit.
     Returns (run, created). The first attempt's outbox row is left for the dispatcher."""
@@ -164,6 +166,9 @@ def create_run(
         request_sha256=request_sha if idempotency_key is not None else None,
         max_restarts=(
             default_max_restarts if request.max_restarts is None else request.max_restarts
+        ),
+        max_preemptions=(
+            default_max_preemptions if request.max_preemptions is None else request.max_preemptions
         ),
     )
     session.add(run)
@@ -223,20 +228,24 @@ def runs_public(*, session: Session, runs: list[Run]) -> list[RunPublic]:
             )
         ):
             latest[checkpoint.run_id] = checkpoint
-    return [_run_public(run, attempts[run.id], latest.get(run.id)) for run in runs]
+    now = utcnow()
+    return [_run_public(run, attempts[run.id], latest.get(run.id), now) for run in runs]
 
 
 def run_public(*, session: Session, run: Run) -> RunPublic:
     return runs_public(session=session, runs=[run])[0]
 
 
-def _run_public(run: Run, attempts: list[Attempt], latest: Checkpoint | None) -> RunPublic:
+def _run_public(
+    run: Run, attempts: list[Attempt], latest: Checkpoint | None, now: datetime
+) -> RunPublic:
     run_plan = Plan.model_validate(run.plan)
     phase = (
         run_plan.phases[run.phase_index].name
         if 0 <= run.phase_index < len(run_plan.phases)
         else None
     )
+    use = budget_use(attempts)
     return RunPublic(
         id=run.id,
         name=run.name,
@@ -253,8 +262,12 @@ def _run_public(run: Run, attempts: list[Attempt], latest: Checkpoint | None) ->
         initial_checkpoint=run.initial_checkpoint,
         latest_checkpoint=None if latest is None else CheckpointSummary.model_validate(latest),
         attempts=[AttemptPublic.model_validate(a) for a in attempts],
-        restarts=restarts_used(attempts),
+        restarts=use.restarts,
         max_restarts=run.max_restarts,
+        preemptions=use.preemptions,
+        max_preemptions=run.max_preemptions,
+        recovery_seconds=recovery_seconds(attempts, now),
+        pause_requested_at=run.pause_requested_at,
         created_at=run.created_at,
         updated_at=run.updated_at,
         finished_at=run.finished_at,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from contracts.workflow import Plan
 from service.models import RunStatus
@@ -51,8 +51,10 @@ class RunCreate(BaseModel):
     workflow_id: str | None = None
     initial_checkpoint: InitialCheckpointIn | None = None
     name: str | None = Field(None, min_length=1, max_length=200)
-    # Restarts allowed after preemptions or lost workers; default: TRAINCTL_MAX_PREEMPTIONS.
+    # New attempts after errors with cause `infrastructure`; default TRAINCTL_MAX_RESTARTS.
     max_restarts: int | None = Field(None, ge=0)
+    # New attempts after preemptions and lost workers; default TRAINCTL_MAX_PREEMPTIONS.
+    max_preemptions: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _one_workflow(self) -> RunCreate:
@@ -105,6 +107,12 @@ class AttemptPublic(BaseModel):
     cause: str | None
     message: str | None
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def started_at(self) -> datetime | None:
+        """When a worker claimed it (`claimed_at`, the name earlier clients read)."""
+        return self.claimed_at
+
 
 class RunPublic(BaseModel):
     id: str
@@ -122,11 +130,35 @@ class RunPublic(BaseModel):
     initial_checkpoint: str | None
     latest_checkpoint: CheckpointSummary | None
     attempts: list[AttemptPublic]
+    # Budget use, counted from the attempts: restarts after `infrastructure` errors, and
+    # preemptions (preempted or lost attempts).
     restarts: int
     max_restarts: int
+    preemptions: int
+    max_preemptions: int
+    # Seconds lost to recovery: from each preempted or lost attempt's end (a lost one's lease
+    # expiry) to the claim of the attempt after it.
+    recovery_seconds: float
+    # Set while a pause waits for the running worker to checkpoint and stop.
+    pause_requested_at: datetime | None
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+
+
+class ItemErrorPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    index: int  # the item's position in the request
+    error: str
+
+
+class BatchAccepted(BaseModel):
+    """contracts.reports.Accepted (a worker that reads only `accepted` reads this too), plus
+    the items that were refused while the rest were stored."""
+
+    accepted: int
+    errors: list[ItemErrorPublic] = []
 
 
 class RunsPublic(BaseModel):

@@ -34,7 +34,13 @@ class ServiceSettings(BaseSettings):
     data_root: Path = Field(default_factory=Path.cwd)
     lease_seconds: float = Field(default=60.0, gt=0)
     outbox_interval_seconds: float = Field(default=2.0, gt=0)
+    # How often the reaper looks for running attempts whose lease expired. A lost worker is
+    # noticed between lease_seconds and lease_seconds + this after its last report.
+    reaper_interval_seconds: float = Field(default=5.0, gt=0)
+    # Default budgets of a run (POST /runs may set its own): preemptions and lost workers...
     max_preemptions: int = Field(default=10, ge=0)
+    # ...and errors with cause `infrastructure`. Other causes fail the run at once.
+    max_restarts: int = Field(default=3, ge=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -5,7 +5,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from service.deps import SessionDep
-from service.errors import ApiError
+from service.errors import database_unavailable
 from service.schemas import Status
 
 router = APIRouter(tags=["health"])
@@ -23,10 +23,5 @@ def readyz(session: SessionDep) -> Status:
     try:
         session.execute(text("SELECT 1"))
     except SQLAlchemyError as err:
-        raise ApiError(
-            503,
-            "database_unavailable",
-            f"the database does not answer ({type(err).__name__}); check TRAINCTL_DATABASE_URL "
-            "and that the database is up",
-        ) from None
+        raise database_unavailable(err) from None
     return Status(status="ready")

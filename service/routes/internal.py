@@ -1,8 +1,23 @@
-"""The worker protocol (worker tokens only). Bodies and answers are contracts.reports models."""
+"""The worker protocol (worker tokens only). Bodies and answers are contracts.reports models.
+
+Limits on what one request may carry (a worker splits larger reports):
+- points per metrics batch: contracts.reports.MAX_POINTS_PER_BATCH (1000); more is 422
+  `invalid_request` naming `points`.
+- bytes per request body: MAX_BODY_BYTES (1 MiB); more is 413 `payload_too_large`, in the
+  error shape, before the body is parsed. 1000 points with names of ordinary length take
+  about 60 KiB, so the byte limit only stops a runaway client.
+A metrics batch answers per-item errors: a point that cannot be stored (empty or over-long
+name, negative step, NaN or infinite value) comes back as `{"index", "error"}` in `errors`
+while the others are stored; `accepted` counts the stored ones.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi import APIRouter, BackgroundTasks, Depends
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.reports import (
     Accepted,
@@ -24,6 +39,57 @@ from service.attempt import (
     register_checkpoint,
 )
 from service.deps import PumpDep, SessionDep, SettingsDep, require_worker
+from service.errors import PayloadTooLarge, error_body
+from service.schemas import BatchAccepted, ItemErrorPublic
+
+PREFIX = "/internal/"
+MAX_BODY_BYTES = 1 << 20
+
+
+def _too_large(size: int | None, limit: int) -> str:
+    told = f"{size} bytes" if size is not None else "a body"
+    return (
+        f"{told} exceed the limit of {limit} bytes per request to {PREFIX}...; send smaller batches"
+    )
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over `max_bytes` on paths under `prefix`, by its
+    Content-Length when it has one, else (chunked) as soon as the bytes read pass the limit."""
+
+    def __init__(self, app: ASGIApp, *, prefix: str = PREFIX, max_bytes: int = MAX_BODY_BYTES):
+        self.app, self.prefix, self.max_bytes = app, prefix, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await _answer_413(send, _too_large(int(declared), self.max_bytes))
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise PayloadTooLarge(_too_large(None, self.max_bytes))
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _answer_413(send: Send, message: str) -> None:
+    body = json.dumps(error_body(PayloadTooLarge.code, message)).encode()
+    headers: list[Any] = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
 
 router = APIRouter(
     prefix="/internal/attempts", tags=["internal"], dependencies=[Depends(require_worker)]
@@ -54,11 +120,14 @@ def renew(
 @router.post("/{attempt_id}/metrics")
 def metrics(
     attempt_id: str, body: MetricBatch, session: SessionDep, settings: SettingsDep
-) -> Accepted:
-    accepted = record_metrics(
+) -> BatchAccepted:
+    """Store the batch's points; those that cannot be stored are answered in `errors`."""
+    accepted, errors = record_metrics(
         session=session, attempt_id=attempt_id, batch=body, lease_seconds=settings.lease_seconds
     )
-    return Accepted(accepted=accepted)
+    return BatchAccepted(
+        accepted=accepted, errors=[ItemErrorPublic.model_validate(e) for e in errors]
+    )
 
 
 @router.post("/{attempt_id}/evals")

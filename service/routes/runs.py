@@ -6,6 +6,7 @@ from fastapi import APIRouter, BackgroundTasks, Body, Depends, Header, Query, Re
 from fastapi.responses import JSONResponse
 
 from service.checkpoint import list_checkpoints
+from service.control import cancel_run, pause_run
 from service.deps import PumpDep, RunDep, SessionDep, SettingsDep, require_admin
 from service.models import RunStatus
 from service.resume import resume_run
@@ -45,7 +46,8 @@ def submit_run(
         request=body,
         idempotency_key=idempotency_key,
         data_root=settings.data_root,
-        default_max_restarts=settings.max_preemptions,
+        default_max_restarts=settings.max_restarts,
+        default_max_preemptions=settings.max_preemptions,
     )
     if created:
         # After the response: a slow or dead broker never delays or fails the submission.
@@ -93,6 +95,23 @@ def resume(
     if attempt is not None:
         background.add_task(pump.dispatch)
     return run_public(session=session, run=resumed)
+
+
+@router.post("/{run_id}/pause")
+def pause(run: RunDep, session: SessionDep) -> RunPublic:
+    """Pause the run. A queued attempt is superseded and the run is `paused` at once; a running
+    worker is told by its next heartbeat (`pause`) to checkpoint and finish `paused`, and until
+    then the run shows `pause_requested_at`. Resume continues it. Repeating is a no-op (200);
+    a finished run is 409 `run_finished`."""
+    return run_public(session=session, run=pause_run(session=session, run_id=run.id))
+
+
+@router.post("/{run_id}/cancel")
+def cancel(run: RunDep, session: SessionDep) -> RunPublic:
+    """Cancel the run at once, without a new checkpoint: its attempt is superseded, so its
+    worker's next heartbeat answers `stop` and its reports are refused (409 `superseded`).
+    Repeating is a no-op (200); a succeeded or failed run is 409 `run_finished`."""
+    return run_public(session=session, run=cancel_run(session=session, run_id=run.id))
 
 
 @router.get("/{run_id}/metrics", response_class=JSONResponse)

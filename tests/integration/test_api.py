@@ -367,7 +367,7 @@ def test_worker_protocol_runs_every_phase_to_success(
     assert first.heartbeat(step=3).json()["action"] == "continue"
     assert get_run(api, run_id)["step"] == 3
     loss = [("loss", s, 10.0 - s * 0.5) for s in range(1, 11)]
-    assert first.metrics([*loss, ("lr", 1, 0.01)]).json() == {"accepted": 11}
+    assert first.metrics([*loss, ("lr", 1, 0.01)]).json() == {"accepted": 11, "errors": []}
     # A point reported again (a resumed attempt re-reporting) overwrites the earlier value.
     assert first.metrics([("loss", 4, 42.0)]).status_code == 200
     assert first.evals([eval_point(0, 5.0), eval_point(5, 3.0), eval_point(10, 3.5)]).json() == {
@@ -484,7 +484,7 @@ def test_preempted_attempt_restarts_from_the_latest_checkpoint(
 
     state = get_run(api, run["id"])
     assert state["status"] == "recovering"
-    assert state["restarts"] == 1
+    assert (state["preemptions"], state["restarts"]) == (1, 0)
     retry = current_attempt(state)
     assert (retry["number"], retry["phase_index"], retry["status"]) == (2, 0, "queued")
     assert state["attempts"][0]["status"] == "preempted"
@@ -501,10 +501,10 @@ def test_preempted_attempt_restarts_from_the_latest_checkpoint(
     assert get_run(api, run["id"])["status"] == "succeeded"
 
 
-def test_preemptions_beyond_max_restarts_fail_the_run(
+def test_preemptions_beyond_max_preemptions_fail_the_run(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
-    run = submit(api, {"workflow": tiny_workflow(phases=1), "max_restarts": 1}).json()
+    run = submit(api, {"workflow": tiny_workflow(phases=1), "max_preemptions": 1}).json()
     for _ in range(2):
         worker = Worker(api, current_attempt(get_run(api, run["id"]))["id"])
         worker.claim()
@@ -512,7 +512,8 @@ def test_preemptions_beyond_max_restarts_fail_the_run(
     final = get_run(api, run["id"])
     assert final["status"] == "failed"
     assert final["cause"] == "restarts_exhausted"
-    assert "max_restarts" in final["message"]
+    assert "max_preemptions" in final["message"]
+    assert final["preemptions"] == 2
     assert len(final["attempts"]) == 2
 
 

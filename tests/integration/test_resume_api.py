@@ -265,7 +265,7 @@ def test_an_active_run_is_refused(api: Api, tiny_workflow: WorkflowFactory) -> N
 def test_an_expired_lease_makes_the_attempt_lost_and_the_resume_proceeds(
     make_settings: SettingsFactory, make_api: ApiFactory, tiny_workflow: WorkflowFactory
 ) -> None:
-    api = make_api(make_settings(lease_seconds=0.5))
+    api = make_api(make_settings(lease_seconds=0.5, reaper_interval_seconds=3600))
     run = submit(api, {"workflow": tiny_workflow(phases=1)}).json()
     # A worker that registered a checkpoint, then was SIGKILLed: no report renews its lease.
     dead = Worker(api, run["attempts"][0]["id"])

@@ -37,8 +37,10 @@ INSTANTS = {
     "right_after_checkpoint": "after_checkpoint@4",
     "mid_checkpoint_write": "mid_checkpoint@8",
 }
-# Quick leases and heartbeats so a killed attempt's lease lapses within the test.
-SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": "3"}
+# Quick leases and heartbeats so a killed attempt's lease lapses within the test; the reaper
+# is held back so that the resume is the explicit `POST /runs/{id}/resume` under test (the
+# automatic recovery has its own tests).
+SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": "3", "TRAINCTL_REAPER_INTERVAL_SECONDS": "3600"}
 WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
 
 

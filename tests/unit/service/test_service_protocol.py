@@ -3,27 +3,83 @@
 from __future__ import annotations
 
 import os
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from contracts.reports import MetricPoint as ReportedPoint
 from contracts.signature import Digests, compute_signature, sha256_path
 from contracts.workflow import validate_workflow
-from service.attempt import digests_of, finite_or_none, restarts_used
+from service.attempt import (
+    budget_use,
+    digests_of,
+    finite_or_none,
+    point_error,
+    recovery_seconds,
+)
 from service.digest import clear_digest_cache, digest_path
 from service.errors import ApiError, validation_details
 from service.models import Attempt
 from service.workflow import parse_workflow, workflow_id_of
 
-
-def attempt(phase_index: int) -> Attempt:
-    return Attempt(phase_index=phase_index)
+T0 = datetime(2026, 12, 1, tzinfo=UTC)
 
 
-def test_restarts_count_attempts_beyond_the_first_of_each_phase() -> None:
-    assert restarts_used([]) == 0
-    assert restarts_used([attempt(0), attempt(1), attempt(2)]) == 0
-    assert restarts_used([attempt(0), attempt(0), attempt(1), attempt(1), attempt(1)]) == 3
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def attempt(status: str, cause: str | None = None, number: int = 1, **times: datetime) -> Attempt:
+    return Attempt(number=number, phase_index=0, status=status, cause=cause, **times)
+
+
+def test_budgets_count_infrastructure_errors_and_preemptions_separately() -> None:
+    assert budget_use([]).restarts == budget_use([]).preemptions == 0
+    attempts = [
+        attempt("failed", "infrastructure"),
+        attempt("failed", "infrastructure"),
+        attempt("failed", "oom"),
+        attempt("preempted"),
+        attempt("lost", "infrastructure"),
+        attempt("succeeded"),
+        attempt("superseded"),
+        attempt("paused"),
+    ]
+    use = budget_use(attempts)
+    assert (use.restarts, use.preemptions) == (2, 2)
+
+
+def test_recovery_time_runs_from_a_preemption_or_lease_expiry_to_the_next_claim() -> None:
+    attempts = [
+        attempt("preempted", number=1, claimed_at=at(0), finished_at=at(10)),
+        attempt(
+            "lost",
+            number=2,
+            claimed_at=at(13),
+            lease_expires_at=at(40),
+            finished_at=at(45),
+        ),
+        attempt("failed", "oom", number=3, claimed_at=at(47), finished_at=at(50)),
+        # After an error, not a preemption: not counted.
+        attempt("running", number=4, claimed_at=at(100)),
+    ]
+    # 13 - 10 after the preemption, 47 - 40 after the lease expired.
+    assert recovery_seconds(attempts, now=at(200)) == 10
+    waiting = [attempts[0], attempt("queued", number=2)]
+    assert recovery_seconds(waiting, now=at(25)) == 15
+
+
+def test_points_that_cannot_be_stored_say_why() -> None:
+    def error(name: str = "loss", step: int = 1, value: float = 1.0) -> str | None:
+        return point_error(ReportedPoint(name=name, step=step, value=value))
+
+    assert error() is None
+    assert "empty" in (error(name=" ") or "")
+    assert "not finite" in (error(value=float("nan")) or "")
+    assert "not finite" in (error(value=float("inf")) or "")
+    assert "negative" in (error(step=-1) or "")
+    assert "200" in (error(name="x" * 201) or "")
 
 
 def test_non_finite_values_are_stored_as_null() -> None:

@@ -26,6 +26,8 @@ def test_embedded_defaults_live_under_home(tmp_path: Path) -> None:
     assert settings.queue == DEFAULT_QUEUE
     assert settings.lease_seconds == 60
     assert settings.max_preemptions == 10
+    assert settings.max_restarts == 3
+    assert settings.reaper_interval_seconds == 5
 
 
 def test_environment_is_read_with_the_trainctl_prefix(
@@ -50,6 +52,8 @@ def test_environment_is_read_with_the_trainctl_prefix(
         ("lease_seconds", 0),
         ("outbox_interval_seconds", -1),
         ("max_preemptions", -1),
+        ("max_restarts", -1),
+        ("reaper_interval_seconds", 0),
         ("queue", ""),
     ],
 )

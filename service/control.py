@@ -1,0 +1,89 @@
+"""Pausing and cancelling a run. Both reach a running worker through its heartbeat answer
+(`pause`: checkpoint, then finish `paused`; `stop`: stop at once and write nothing more), so a
+worker learns of them within one heartbeat interval. An attempt no worker has claimed yet is
+superseded at once, under its row lock: a claim racing with it either comes first (and the
+worker is told by its heartbeat) or finds it superseded.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from service.attempt import expire_attempt, lease_expired, lock_current_attempt
+from service.errors import ApiError
+from service.models import FINISHED_RUN_STATUSES, Attempt, Run, utcnow
+from service.run import get_run
+
+
+def _lock(session: Session, run_id: str) -> tuple[Run, Attempt | None]:
+    get_run(session=session, run_id=run_id)
+    current = lock_current_attempt(session, run_id)
+    run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
+    assert run is not None
+    return run, current
+
+
+def _run_finished(run: Run, action: str) -> ApiError:
+    return ApiError(
+        409,
+        "run_finished",
+        f"run {run.id} is {run.status} (finished {run.finished_at:%Y-%m-%d %H:%M:%S} UTC); it "
+        f"cannot be {action}; nothing of it runs any more (GET /runs/{run.id})",
+        {"run_id": run.id, "status": run.status},
+    )
+
+
+def _supersede(attempt: Attempt, why: str) -> None:
+    attempt.status = "superseded"
+    attempt.finished_at = utcnow()
+    attempt.message = why
+
+
+def pause_run(*, session: Session, run_id: str) -> Run:
+    """Pause a run: a queued attempt is superseded and the run is `paused` at once; a running
+    one is asked to pause (`pause_requested_at`) and the run becomes `paused` when its worker
+    finishes `paused`. Repeating it changes nothing. 409 `run_finished` for a finished run.
+    Commits."""
+    run, current = _lock(session, run_id)
+    if run.status in FINISHED_RUN_STATUSES:
+        session.rollback()
+        raise _run_finished(run, "paused")
+    if run.status == "paused" or run.pause_requested_at is not None:
+        session.rollback()
+        return run
+    now = utcnow()
+    if current is not None and current.status == "running" and lease_expired(current, now):
+        # Its worker is gone: nothing will answer a pause request.
+        expire_attempt(session=session, attempt=current, now=now)
+    if current is not None and current.status == "running":
+        run.pause_requested_at = now
+        run.message = (
+            f"pause requested: attempt {current.number} on {current.worker_hostname} (pid "
+            f"{current.worker_pid}) checkpoints and stops at its next heartbeat"
+        )
+    else:
+        if current is not None and current.status == "queued":
+            _supersede(current, "superseded: the run was paused before a worker claimed it")
+        run.status = "paused"
+        run.message = "paused; resume continues from the latest checkpoint"
+    session.commit()
+    return run
+
+
+def cancel_run(*, session: Session, run_id: str) -> Run:
+    """Cancel a run at once: it becomes `cancelled` and its queued or running attempt
+    `superseded` (its worker's next heartbeat answers `stop`; its reports are refused).
+    Repeating it changes nothing. 409 `run_finished` for a succeeded or failed run. Commits."""
+    run, current = _lock(session, run_id)
+    if run.status == "cancelled":
+        session.rollback()
+        return run
+    if run.status in FINISHED_RUN_STATUSES:
+        session.rollback()
+        raise _run_finished(run, "cancelled")
+    if current is not None and current.status in ("queued", "running"):
+        _supersede(current, "superseded: the run was cancelled")
+    run.status, run.finished_at, run.pause_requested_at = "cancelled", utcnow(), None
+    run.message = "cancelled by request"
+    session.commit()
+    return run
