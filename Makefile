@@ -28,6 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(PACKAGES) migrations tests bench examples
 	$(VENV)/bin/ruff format --check $(PACKAGES) migrations tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy bench/*.py examples/*.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(PACKAGES) migrations tests bench examples

@@ -38,6 +38,7 @@ from contracts.signature import Digests
 from contracts.workflow import Workflow
 from worker.model import configure_determinism
 from worker.optim import build_optimizers
+from worker.reporter import Action
 from worker.trainer import train_phase
 
 SEQUENCE_LENGTH = 64
@@ -72,8 +73,8 @@ class TimingReporter:
     def checkpoint(self, ref: CheckpointRef) -> bool:
         return True
 
-    def should_stop(self, step: int) -> bool:
-        return False
+    def check(self, step: int, *, now: bool = False) -> Action:
+        return "continue"
 
 
 def write_inputs(folder: Path) -> tuple[Path, Path]:

@@ -136,7 +136,7 @@ def write_tokenizer(train_files: list[Path]) -> None:
     )
 
     def texts() -> list[str]:
-        out = []
+        out: list[str] = []
         for path in train_files:
             for line in path.read_text().splitlines():
                 record = json.loads(line)

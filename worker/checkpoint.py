@@ -8,6 +8,7 @@ tensors and values (`weights_only=True`, safetensors).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -15,6 +16,7 @@ import os
 import random
 import shutil
 import time
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -135,9 +137,10 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 # --- save -----------------------------------------------------------------------------------
-# A save has two halves: `snapshot` copies the live state into CPU buffers (the training loop
-# waits for this part only), `write_checkpoint` writes files from the copy (a background thread
-# may do it while training goes on).
+# A save has three parts: `snapshot` copies the live state into CPU buffers (the training loop
+# waits for this part only), `write_temporary` writes files from the copy into a temporary
+# directory (a background thread may do it while training goes on), and `publish_checkpoint`
+# renames it into place (the trainer, once the service confirmed it still owns the attempt).
 
 
 @dataclass(frozen=True)
@@ -200,15 +203,17 @@ def snapshot(
     )
 
 
-def write_checkpoint(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> Path:
-    """Write a complete checkpoint of `snapshot.state.step` under `directory` and return its
-    path: temporary directory, fsync every file, manifest last, fsync, rename, fsync parent."""
+def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> Path:
+    """Write a complete checkpoint of `snapshot.state.step` into a fresh temporary directory
+    under `directory` and return it: every file fsynced, the manifest last. Nothing outside that
+    directory is touched, so a writer that lost its attempt meanwhile (a stop, a revived
+    zombie) harms no one; `publish_checkpoint` puts it in place once the writer is still owner."""
     state = snapshot.state
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / step_dir_name(state.step)
-    tmp = directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    # Unique per save: two processes may share a pid (containers) and a directory (a zombie
+    # and the attempt that replaced it).
+    name = f"{_TMP_PREFIX}{step_dir_name(state.step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = directory / name
     tmp.mkdir()
 
     # The model as `save_pretrained` writes it: config.json and model.safetensors.
@@ -236,16 +241,58 @@ def write_checkpoint(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenize
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync_file(tmp / MANIFEST)
     _fsync_dir(tmp)
+    return tmp
 
-    if final.exists():
-        # An earlier attempt wrote this step but died before registering it; a resumed run
-        # recomputes the same step, so the newer copy replaces it.
-        stale = directory / f"{_TMP_PREFIX}stale-{final.name}-{os.getpid()}"
-        os.replace(final, stale)
-        shutil.rmtree(stale)
-    os.replace(tmp, final)
-    _fsync_dir(directory)
-    return final
+
+def publish_checkpoint(tmp: Path) -> Path:
+    """Rename the complete temporary checkpoint `tmp` into place as `step-NNNNNNNN` and return
+    that path. Never over an existing step directory: rename(2) refuses a non-empty target,
+    atomically, so a checkpoint another attempt put there (the attempt that replaced a revived
+    zombie, or one that died before registering it) is never clobbered. An existing one that
+    verifies as this run's checkpoint of the same step is kept and `tmp` discarded; one that
+    does not is quarantined (renamed aside, never deleted) and `tmp` takes its place."""
+    state = read_state(tmp)
+    final = tmp.parent / step_dir_name(state.step)
+    for _ in range(2):
+        try:
+            os.rename(tmp, final)
+        except OSError as err:
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        else:
+            _fsync_dir(final.parent)
+            return final
+        problem = _unusable_as(final, state)
+        if problem is None:
+            log.warning(
+                "checkpoint %s already exists (written by attempt %s); keeping it, not ours",
+                final,
+                read_state(final).attempt_id,
+            )
+            shutil.rmtree(tmp)
+            return final
+        log.warning(
+            "checkpoint %s is in the way (%s); quarantined as %s",
+            final,
+            problem,
+            quarantine_checkpoint(final),
+        )
+    raise CheckpointError(f"cannot rename {tmp} to {final}: something keeps recreating {final}")
+
+
+def _unusable_as(path: Path, state: CheckpointState) -> str | None:
+    """Why the checkpoint at `path` cannot stand for `state` (same run, same step), or None."""
+    try:
+        verify_checkpoint(path)
+        existing = read_state(path)
+    except (CheckpointError, OSError, ValueError, TypeError) as err:
+        return str(err)
+    if (existing.signature, existing.step) != (state.signature, state.step):
+        return (
+            f"it holds step {existing.step} of signature {existing.signature}, "
+            f"not step {state.step} of {state.signature}"
+        )
+    return None
 
 
 def save_checkpoint(
@@ -258,13 +305,18 @@ def save_checkpoint(
 ) -> Path:
     """Write a complete checkpoint of `state.step` under `directory`, synchronously."""
     copy = snapshot(model=model, optimizers=optimizers, state=state, buffers=CpuBuffers())
-    return write_checkpoint(directory=directory, snapshot=copy, tokenizer=tokenizer)
+    return publish_checkpoint(
+        write_temporary(directory=directory, snapshot=copy, tokenizer=tokenizer)
+    )
 
 
 class CheckpointWriter:
     """Saves in the background, one save at a time: `start` copies the state (the loop waits
-    for that only) and writes the files in a thread; `poll`/`wait` hand a finished save back to
-    the caller's thread, which registers it. A failed write raises from `poll`/`wait`."""
+    for that only) and writes a temporary directory in a thread; `poll`/`wait` hand a finished
+    one back to the caller's thread, which checks it still owns the attempt and only then
+    publishes (`publish_checkpoint`) and registers it. The thread never renames or deletes
+    anything outside its own temporary directory, so a save in flight when the attempt is
+    stopped or superseded harms nothing. A failed write raises from `poll`/`wait`."""
 
     def __init__(self, *, directory: Path, tokenizer: Tokenizer) -> None:
         self._directory = directory
@@ -282,20 +334,22 @@ class CheckpointWriter:
         previous = self.wait()
         copy = snapshot(model=model, optimizers=optimizers, state=state, buffers=self._buffers)
         future = self._executor.submit(
-            write_checkpoint, directory=self._directory, snapshot=copy, tokenizer=self._tokenizer
+            write_temporary, directory=self._directory, snapshot=copy, tokenizer=self._tokenizer
         )
         self._pending = (state, future)
         self.last_started = state.step
         return previous
 
     def poll(self) -> tuple[CheckpointState, Path] | None:
-        """The save in flight, if it has finished (once); None otherwise."""
+        """The save in flight, if it has finished (once), with its temporary directory; None
+        otherwise."""
         if self._pending is None or not self._pending[1].done():
             return None
         return self.wait()
 
     def wait(self) -> tuple[CheckpointState, Path] | None:
-        """Block until the save in flight is on disk and return it; None if there is none."""
+        """Block until the save in flight is on disk and return it with its temporary
+        directory; None if there is none."""
         if self._pending is None:
             return None
         state, future = self._pending
@@ -303,7 +357,8 @@ class CheckpointWriter:
         return state, future.result()
 
     def close(self) -> None:
-        """Let a save in flight finish writing, unregistered, and stop the thread."""
+        """Let a save in flight finish writing its temporary directory (left unpublished, for
+        `remove_stale_temporaries` of a later attempt) and stop the thread."""
         self._pending = None
         self._executor.shutdown(wait=True)
 

@@ -34,6 +34,20 @@ SUPERSEDED = "superseded"
 _Answer = TypeVar("_Answer", bound=BaseModel)
 
 
+class ItemError(BaseModel):
+    """A point of a metrics batch the service refused, by its index in the batch."""
+
+    index: int
+    error: str
+
+
+class MetricsAnswer(BaseModel):
+    """The metrics route's answer: how many points were stored, and why the others were not."""
+
+    accepted: int
+    errors: list[ItemError] = []
+
+
 class Superseded(Exception):
     """The service gave this attempt to someone else (or cancelled it): stop, write nothing."""
 
@@ -106,15 +120,17 @@ class ServiceClient:
 
     def metrics(
         self, attempt_id: str, *, fencing_token: int, points: Sequence[MetricPoint]
-    ) -> Accepted:
-        """Post any number of points, in requests of at most MAX_POINTS_PER_BATCH."""
-        accepted = 0
+    ) -> MetricsAnswer:
+        """Post any number of points, in requests of at most MAX_POINTS_PER_BATCH. The
+        answer's error indexes are into `points`."""
+        accepted, errors = 0, []
         for start in range(0, len(points), MAX_POINTS_PER_BATCH):
             chunk = list(points[start : start + MAX_POINTS_PER_BATCH])
             batch = MetricBatch(fencing_token=fencing_token, points=chunk)
-            answer = self._post(f"/internal/attempts/{attempt_id}/metrics", batch, Accepted)
+            answer = self._post(f"/internal/attempts/{attempt_id}/metrics", batch, MetricsAnswer)
             accepted += answer.accepted
-        return Accepted(accepted=accepted)
+            errors += [ItemError(index=start + e.index, error=e.error) for e in answer.errors]
+        return MetricsAnswer(accepted=accepted, errors=errors)
 
     def evals(self, attempt_id: str, batch: EvalBatch) -> Accepted:
         return self._post(f"/internal/attempts/{attempt_id}/evals", batch, Accepted)

@@ -1,4 +1,4 @@
-"""What the training loop tells the outside world, and the one way it learns it must stop.
+"""What the training loop tells the outside world, and how it learns it must pause or stop.
 
 The loop calls a `Reporter`; `ServiceReporter` posts to the service, tests use a recorder.
 Heartbeats are sent from the loop itself (no thread): a step that takes longer than the lease
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from pathlib import Path
+from typing import Literal, Protocol
 
 from contracts.reports import (
     MAX_POINTS_PER_BATCH,
@@ -20,12 +20,19 @@ from contracts.reports import (
     Claim,
     EvalBatch,
     EvalResult,
+    Finish,
     Heartbeat,
+    MetricBatch,
     MetricPoint,
 )
-from worker.client import ServiceClient, ServiceUnavailable
+from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.spool import Report, Spool, SpoolError, kind_of
 
 log = logging.getLogger(__name__)
+
+# The service's orders, from a heartbeat answer: train on; checkpoint now and finish "paused";
+# stop at once and write nothing more (the attempt was superseded or the run cancelled).
+Action = Literal["continue", "pause", "stop"]
 
 
 class Reporter(Protocol):
@@ -38,107 +45,228 @@ class Reporter(Protocol):
         """Register a checkpoint; called only once it is complete on disk. True when the service
         now holds it; False when the registration is still queued."""
 
-    def should_stop(self, step: int) -> bool:
-        """Renew the lease when due; True when the service says stop (write nothing more)."""
-
-
-# What is waiting to be posted, in order: metric points, an eval batch, a checkpoint report.
-_Pending = list[MetricPoint] | EvalBatch | CheckpointReport
+    def check(self, step: int, *, now: bool = False) -> Action:
+        """Renew the lease when due, or at once with `now` (the fencing check before a
+        checkpoint is put in place), and return the service's order. A service that cannot be
+        reached orders nothing: "continue"."""
 
 
 class ServiceReporter:
     """Posts to the service in order, batching metric points, and heartbeats every
     `heartbeat_seconds`.
 
-    Training outlives a service restart: a post that finds the service unavailable stays queued
-    (in memory) and is retried at the next heartbeat, and a failed heartbeat is only logged (if
-    the lease lapses meanwhile, the service supersedes this attempt and says so with 409 on the
-    next post that gets through). Any post may raise `worker.client.Superseded`, which the
-    runner turns into a silent stop. `flush` raises `ServiceUnavailable` if anything is still
-    undelivered, so an attempt never finishes ahead of its own reports."""
+    Training outlives a service outage: a report the service cannot take (unreachable, or 5xx
+    through the client's retries) goes to the attempt's spool on disk (`worker.spool`), and so
+    does every later one until the spool is sent, oldest first, at the next heartbeat that finds
+    the service back. A failed heartbeat is only logged (if the lease lapses meanwhile, the
+    service supersedes this attempt and says so on the next request that gets through).
+
+    A "stop" answer or a 409 `superseded` on any report ends all reporting: the spool is
+    dropped and every later call is a no-op; a 409 also raises `worker.client.Superseded`,
+    which the runner turns into a silent stop. `finish` sends the rest and the finish, waiting
+    up to `flush_seconds` for an unreachable service."""
 
     def __init__(
         self,
         client: ServiceClient,
         claim: Claim,
         *,
+        spool_dir: Path,
         heartbeat_seconds: float,
+        flush_seconds: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._client = client
         self._attempt_id = claim.attempt_id
         self._token = claim.fencing_token
+        self._spool = Spool(spool_dir / claim.attempt_id)
         self._heartbeat_seconds = heartbeat_seconds
+        self._flush_seconds = flush_seconds
         self._clock = clock
+        self._sleep = sleep
         # The claim itself renewed the lease.
         self._last_beat = clock()
         self._points: list[MetricPoint] = []
-        self._pending: deque[_Pending] = deque()
+        self._stopped = False
         self.last_step: int | None = None  # the last step whose metrics were recorded
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
+        if self._stopped:
+            return
         self.last_step = step
         self._points.extend(MetricPoint(name=k, step=step, value=v) for k, v in values.items())
         if len(self._points) >= MAX_POINTS_PER_BATCH:
-            self._deliver()
+            self._submit([])
 
     def evals(self, results: Sequence[EvalResult]) -> None:
-        if results:
-            self._queue(EvalBatch(fencing_token=self._token, results=list(results)))
-            self._deliver()
+        if results and not self._stopped:
+            self._submit([EvalBatch(fencing_token=self._token, results=list(results))])
 
     def checkpoint(self, ref: CheckpointRef) -> bool:
-        # Queued behind the metrics: the service never holds a checkpoint newer than its metrics.
-        self._queue(CheckpointReport(fencing_token=self._token, checkpoint=ref))
-        return self._deliver()
-
-    def should_stop(self, step: int) -> bool:
-        now = self._clock()
-        if now - self._last_beat < self._heartbeat_seconds:
+        # Sent behind the metrics: the service never holds a checkpoint newer than its metrics.
+        if self._stopped:
             return False
-        self._last_beat = now
-        self._deliver()
+        return self._submit([CheckpointReport(fencing_token=self._token, checkpoint=ref)])
+
+    def check(self, step: int, *, now: bool = False) -> Action:
+        if self._stopped:
+            return "stop"
+        beat = self._clock()
+        if not now and beat - self._last_beat < self._heartbeat_seconds:
+            return "continue"
+        self._last_beat = beat
+        # The spool and the buffered points first; a service that cannot take them would not
+        # answer the heartbeat either, and each try costs the client's retries.
+        if not (self._deliver() and self._submit([])):
+            log.warning("heartbeat at step %d skipped: the service is unreachable", step)
+            return "continue"
         try:
             answer = self._client.heartbeat(
                 self._attempt_id, Heartbeat(fencing_token=self._token, step=step)
             )
         except ServiceUnavailable as err:
             log.warning("heartbeat at step %d failed; training on: %s", step, err)
-            return False
-        return answer.action == "stop"
+            return "continue"
+        except Superseded:
+            answer_action: Action = "stop"
+        else:
+            answer_action = answer.action
+        if answer_action == "stop":
+            self._stop()
+        return answer_action
 
-    def flush(self) -> None:
-        if not self._deliver():
-            raise ServiceUnavailable(
-                f"{len(self._pending)} reports of attempt {self._attempt_id} are undelivered: "
-                "the service is unavailable"
-            )
+    def finish(self, finish: Finish) -> None:
+        """Send everything still buffered or spooled, then `finish`, in order. Waits up to
+        `flush_seconds` for an unreachable service; then raises `ServiceUnavailable` with all
+        of it left in the spool for the next worker process on this machine
+        (`drain_spools`). Raises `Superseded` when the attempt is no longer ours."""
+        self._submit([finish])
+        deadline = self._clock() + self._flush_seconds
+        while not self._deliver():
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise ServiceUnavailable(
+                    f"{len(self._spool.entries())} reports of attempt {self._attempt_id}, the "
+                    f"finish last, are spooled in {self._spool.directory}: the service stayed "
+                    f"unreachable for {self._flush_seconds:g} s; the next worker process on "
+                    "this machine sends them"
+                )
+            self._sleep(min(max(self._heartbeat_seconds, 1.0), remaining))
 
-    def _queue(self, item: _Pending) -> None:
-        if self._points:
-            self._queue_points()
-        self._pending.append(item)
+    def close(self) -> None:
+        """Let go of the spool (what is left in it stays on disk for `drain_spools`)."""
+        self._spool.release()
+
+    # --- delivery --------------------------------------------------------------------------
+
+    def _submit(self, reports: list[Report]) -> bool:
+        """Send the buffered points, then `reports`, behind anything spooled; what the service
+        cannot take is spooled. True when all of it was delivered."""
+        points, self._points = self._points, []
+        batches: list[Report] = [
+            MetricBatch(fencing_token=self._token, points=points[i : i + MAX_POINTS_PER_BATCH])
+            for i in range(0, len(points), MAX_POINTS_PER_BATCH)
+        ]
+        delivered = not self._spool.entries()
+        for report in [*batches, *reports]:
+            if delivered:
+                try:
+                    self._send(report)
+                    continue
+                except ServiceUnavailable as err:
+                    log.warning("service unreachable; spooling reports from now on: %s", err)
+                    delivered = False
+            self._spool.append(report)
+        return delivered
 
     def _deliver(self) -> bool:
-        """Post what is queued, in order; False when the service is unavailable (the rest stays
-        queued for the next try)."""
-        if self._points:
-            self._queue_points()
-        while self._pending:
-            item = self._pending[0]
+        """Send the spool, oldest first; False when the service is unreachable (the rest stays
+        spooled for the next try)."""
+        for path in self._spool.entries():
             try:
-                if isinstance(item, EvalBatch):
-                    self._client.evals(self._attempt_id, item)
-                elif isinstance(item, CheckpointReport):
-                    self._client.checkpoint(self._attempt_id, item)
-                else:
-                    self._client.metrics(self._attempt_id, fencing_token=self._token, points=item)
+                self._send(self._spool.read(path))
             except ServiceUnavailable as err:
-                log.warning("service unavailable; %d reports queued: %s", len(self._pending), err)
+                left = len(self._spool.entries())
+                log.warning("service unreachable; %d reports stay spooled: %s", left, err)
                 return False
-            self._pending.popleft()
+            self._spool.remove(path)
         return True
 
-    def _queue_points(self) -> None:
-        self._pending.append(self._points)
+    def _send(self, report: Report) -> None:
+        try:
+            send_report(self._client, self._attempt_id, report)
+        except Superseded:
+            self._stop()
+            raise
+
+    def _stop(self) -> None:
+        """The attempt is no longer ours: report nothing more, drop what is spooled."""
+        self._stopped = True
         self._points = []
+        self._spool.discard()
+
+
+def send_report(client: ServiceClient, attempt_id: str, report: Report) -> None:
+    """Post one report. Points the service refuses are logged, one line each; they are not
+    retried (they would be refused again) and do not stop training."""
+    if isinstance(report, MetricBatch):
+        answer = client.metrics(
+            attempt_id, fencing_token=report.fencing_token, points=report.points
+        )
+        for item in answer.errors:
+            point = report.points[item.index] if 0 <= item.index < len(report.points) else None
+            where = f"{point.name!r} at step {point.step}" if point else f"#{item.index}"
+            log.warning(
+                "attempt %s: the service refused metric point %s: %s",
+                attempt_id,
+                where,
+                item.error,
+            )
+    elif isinstance(report, EvalBatch):
+        client.evals(attempt_id, report)
+    elif isinstance(report, CheckpointReport):
+        client.checkpoint(attempt_id, report)
+    else:
+        client.finish(attempt_id, report)
+
+
+def drain_spools(client: ServiceClient, root: Path) -> None:
+    """Send what earlier worker processes on this machine spooled and never sent (they died, or
+    gave up waiting at a phase's end), oldest first per attempt. A report the service refuses
+    (409 `superseded`: its fencing token is stale; any other 4xx) is dropped with a log line.
+    A spool whose process still lives is left alone; when the service is unreachable the rest
+    waits for the next start."""
+    if not root.is_dir():
+        return
+    for directory in sorted(p for p in root.iterdir() if p.is_dir()):
+        spool = Spool(directory)
+        if not spool.acquire(wait=False):
+            continue
+        try:
+            for path in spool.entries():
+                try:
+                    report = spool.read(path)
+                except SpoolError as err:
+                    log.error("%s; set aside as %s", err, spool.set_aside(path))
+                    continue
+                try:
+                    send_report(client, spool.attempt_id, report)
+                except ServiceUnavailable as err:
+                    log.warning("service unreachable; spooled reports wait: %s", err)
+                    return
+                except (Superseded, ServiceError) as err:
+                    log.warning(
+                        "dropping spooled %s report %s of attempt %s, refused: %s",
+                        kind_of(report),
+                        path.name,
+                        spool.attempt_id,
+                        err,
+                    )
+                else:
+                    log.info(
+                        "sent spooled %s report of attempt %s", kind_of(report), spool.attempt_id
+                    )
+                spool.remove(path)
+        finally:
+            spool.release()

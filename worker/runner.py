@@ -11,7 +11,6 @@ import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import torch
 from pydantic import ValidationError
@@ -22,7 +21,7 @@ from contracts.workflow import Workflow
 from worker.client import ServiceClient, Superseded
 from worker.error import ConfigError, SignatureMismatch, TrainingError
 from worker.model import select_device
-from worker.reporter import ServiceReporter
+from worker.reporter import ServiceReporter, drain_spools
 from worker.settings import WorkerSettings
 from worker.trainer import PhaseOutcome, train_phase
 
@@ -43,10 +42,14 @@ def run_attempt(
     """Claim and train attempt `attempt_id`, then report how it ended (`finish`). Returns the
     phase's outcome, or None when it did not train to an end: the attempt was not ours to run
     (a duplicate message), it was superseded, or it failed (reported with its cause).
-    Raises `ServiceUnavailable` when the service cannot be reached to claim or to finish."""
+    Raises `ServiceUnavailable` when the service cannot be reached to claim, or to finish
+    within `settings.spool_flush_seconds` (the finish then waits in the spool). Reports that
+    earlier processes on this machine spooled are sent first, so that they arrive before
+    anything of this attempt (they may be this very attempt's, from a process that died)."""
     own_client = client is None
     client = client or ServiceClient.from_settings(settings)
     try:
+        drain_spools(client, settings.spool_dir)
         claim = client.claim(
             attempt_id, ClaimRequest(hostname=socket.gethostname(), pid=os.getpid())
         )
@@ -70,7 +73,26 @@ def _run_claimed(
 ) -> PhaseOutcome | None:
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
-    reporter = ServiceReporter(client, claim, heartbeat_seconds=settings.heartbeat_seconds)
+    reporter = ServiceReporter(
+        client,
+        claim,
+        spool_dir=settings.spool_dir,
+        heartbeat_seconds=settings.heartbeat_seconds,
+        flush_seconds=settings.spool_flush_seconds,
+    )
+    try:
+        return _train_and_finish(claim, reporter, settings=settings, stop_requested=stop_requested)
+    finally:
+        reporter.close()
+
+
+def _train_and_finish(
+    claim: Claim,
+    reporter: ServiceReporter,
+    *,
+    settings: WorkerSettings,
+    stop_requested: Callable[[], bool],
+) -> PhaseOutcome | None:
     where = f"attempt {claim.attempt_id} of run {claim.run_id}, phase {claim.phase_index}"
     outcome: PhaseOutcome | None = None
     try:
@@ -101,16 +123,12 @@ def _run_claimed(
         if outcome.status == "stopped":
             log.info("%s: the service said stop; nothing more is written", where)
             return outcome
-        status: Literal["succeeded", "preempted"] = (
-            "preempted" if outcome.status == "preempted" else "succeeded"
-        )
-        finish = Finish(fencing_token=claim.fencing_token, status=status, step=outcome.step)
+        finish = Finish(fencing_token=claim.fencing_token, status=outcome.status, step=outcome.step)
 
     if finish.status == "failed":
         log.error("%s failed (%s): %s", where, finish.cause, finish.message)
     try:
-        reporter.flush()
-        client.finish(claim.attempt_id, finish)
+        reporter.finish(finish)
     except Superseded:
         log.info("%s was superseded before it finished", where)
         return None

@@ -26,6 +26,10 @@ class WorkerSettings(BaseSettings):
     # None leaves torch's default (one thread per core).
     torch_threads: int | None = None
     heartbeat_seconds: float = 5.0
+    # At a phase's end, how long the worker waits for an unreachable service to take the
+    # reports it spooled (and the finish) before it gives up and leaves them on disk for the
+    # next worker process on this machine to send.
+    spool_flush_seconds: float = 300.0
     # Fault injection for tests only (see worker/failpoint.py): "name@step,...". Empty in
     # production.
     failpoints: str = ""
@@ -46,6 +50,11 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @property
+    def spool_dir(self) -> Path:
+        """`<home>/spool/<attempt_id>/`: reports the service could not take yet."""
+        return self.home / "spool"
 
     @model_validator(mode="after")
     def _default_broker(self) -> WorkerSettings:

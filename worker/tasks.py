@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 
 from contracts.dispatch import RUN_PHASE_TASK
 from worker.celery_app import app
-from worker.client import ServiceUnavailable
+from worker.client import ServiceClient, ServiceUnavailable
+from worker.reporter import drain_spools
 from worker.runner import run_attempt
 
 # Set by a warm shutdown (SIGTERM: the preemption notice of a spot instance). The running
@@ -20,6 +21,15 @@ _preempted = threading.Event()
 @worker_shutting_down.connect
 def _on_worker_shutting_down(**_: Any) -> None:
     _preempted.set()
+
+
+@worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    # Reports a previous process on this machine spooled and never sent (it died, or the service
+    # stayed down past its flush): sent before any new work. `run_attempt` drains too; this only
+    # sends them sooner, when no message comes.
+    with ServiceClient.from_settings(app.settings) as client:
+        drain_spools(client, app.settings.spool_dir)
 
 
 # shared=False: registered on this app only, not on every Celery app of the process.

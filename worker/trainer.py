@@ -32,6 +32,7 @@ from worker.checkpoint import (
     checkpoints_dir,
     list_checkpoints,
     load_checkpoint,
+    publish_checkpoint,
     quarantine_checkpoint,
     remove_stale_temporaries,
 )
@@ -51,8 +52,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PhaseOutcome:
     # stopped: the service said stop (nothing more may be written or reported);
-    # preempted: stop_requested() came true and a checkpoint of `step` was taken.
-    status: Literal["succeeded", "stopped", "preempted"]
+    # preempted: stop_requested() came true and a checkpoint of `step` was taken;
+    # paused: the service said pause and a checkpoint of `step` was taken.
+    status: Literal["succeeded", "stopped", "preempted", "paused"]
     step: int  # the last global step done
     checkpoint: CheckpointRef | None  # the checkpoint of `step`, if one exists
     # The checkpoint this attempt actually started from: the claim's `resume_from`, or an
@@ -78,6 +80,10 @@ def _never() -> bool:
     return False
 
 
+class _StopOrdered(Exception):
+    """The service said stop: leave the loop at once, writing nothing more."""
+
+
 def train_phase(
     *,
     claim: Claim,
@@ -89,7 +95,9 @@ def train_phase(
 ) -> PhaseOutcome:
     """Train phase `claim.phase_index` from where the claim says, reporting as it goes.
     `stop_requested` (a preemption notice) is polled once per step: when it turns true the
-    phase checkpoints at once and returns "preempted". `restore_rng=False` (tests only: the
+    phase checkpoints at once and returns "preempted"; a "pause" order from the service does
+    the same and returns "paused". A "stop" order returns "stopped" at once, with nothing more
+    written: a save in flight is never put in place. `restore_rng=False` (tests only: the
     negative control of exact resume) leaves the random streams unrestored on resume."""
     transformers_logging.disable_progress_bar()  # the worker logs; bars are for terminals
     phase_index = claim.phase_index
@@ -152,8 +160,11 @@ def train_phase(
         ]
 
     # Checkpoints are saved in the background: the loop waits only for the copy into CPU
-    # buffers; a save is registered (and retention applied) from this thread once on disk.
+    # buffers; a save is put in place and registered (and retention applied) from this thread
+    # once on disk, and only after the service confirmed this attempt is still its owner.
     writer = CheckpointWriter(directory=directory, tokenizer=tokenizer)
+    done = start  # the last step whose update was made
+    pause_ordered = False
 
     def checkpoint(step: int) -> CheckpointRef | None:
         """Start saving `step`; returns the previous save's registration if it was pending."""
@@ -170,15 +181,26 @@ def train_phase(
         return register(writer.start(model=model, optimizers=optimizers, state=state))
 
     def register(saved: tuple[CheckpointState, Path] | None) -> CheckpointRef | None:
+        nonlocal pause_ordered
         if saved is None:
             return None
-        state, path = saved
+        state, tmp = saved
+        # Fencing: a worker that lost its lease (a zombie revived after the reaper gave the
+        # phase to another worker) learns it here, before it renames or deletes anything in
+        # the run's checkpoints. Costs one request per checkpoint. An unreachable service
+        # confirms nothing, but the rename never replaces a step directory and retention waits
+        # for the registration to be taken, so what is written then clobbers no one.
+        action = reporter.check(done, now=True)
+        if action == "stop":
+            raise _StopOrdered
+        pause_ordered = pause_ordered or action == "pause"
+        path = publish_checkpoint(tmp)
         ref = CheckpointRef(
             path=str(path), step=state.step, phase_index=phase_index, phase_step=state.phase_step
         )
         # Registered only once complete on disk. Older checkpoints are deleted only once the
         # service holds this one: until then, what it would resume from must stay.
-        if reporter.checkpoint(ref):
+        if reporter.checkpoint(ref):  # a registration taken is itself fenced
             # Ranked up to this step only: unregistered leftovers of a dead attempt at later
             # steps must not push out what the service holds or what this attempt started from.
             apply_retention(
@@ -238,6 +260,7 @@ def train_phase(
             else:
                 optimizers.step()
             optimizers.zero_grad()
+            done = step
             failpoint.hit("after_step", step)
             tokens_seen += phase.tokens_per_step
             elapsed = time.perf_counter() - started
@@ -260,26 +283,36 @@ def train_phase(
             if checkpoint_due:
                 latest = checkpoint(step) or latest
 
-            # --- stop check
-            if step < last and reporter.should_stop(step):
-                log.info("the service says stop at step %d; stopping without writing", step)
-                return PhaseOutcome(
-                    status="stopped", step=step, checkpoint=None, resumed_from=resumed_from
-                )
-            if step < last and stop_requested():
+            # --- stop check: the service's orders, then a preemption notice
+            if step == last:
+                break
+            action = reporter.check(step)
+            if action == "stop":
+                raise _StopOrdered
+            pause_ordered = pause_ordered or action == "pause"
+            preempted = stop_requested()
+            if pause_ordered or preempted:
                 if writer.last_started != step:
                     latest = checkpoint(step) or latest
                 latest = register(writer.wait()) or latest
                 return PhaseOutcome(
-                    status="preempted", step=step, checkpoint=latest, resumed_from=resumed_from
+                    status="preempted" if preempted else "paused",
+                    step=step,
+                    checkpoint=latest,
+                    resumed_from=resumed_from,
                 )
 
         latest = register(writer.wait()) or latest
         return PhaseOutcome(
             status="succeeded", step=last, checkpoint=latest, resumed_from=resumed_from
         )
+    except _StopOrdered:
+        log.info("the service says stop at step %d; stopping without writing", done)
+        return PhaseOutcome(status="stopped", step=done, checkpoint=None, resumed_from=resumed_from)
     finally:
-        writer.close()  # after a failure or a stop: a save in flight ends unregistered
+        # After a failure or a stop: a save in flight finishes its temporary directory, which
+        # is never put in place or registered.
+        writer.close()
 
 
 def _checkpoint_to_resume(claim: Claim, offsets: list[int]) -> LoadedCheckpoint | None:

@@ -17,6 +17,7 @@ from contracts.reports import CheckpointRef, Claim, EvalResult
 from contracts.signature import Digests, sha256_path
 from contracts.workflow import Workflow
 from worker.checkpoint import verify_checkpoint
+from worker.reporter import Action
 
 # Two xdist processes share two cores.
 torch.set_num_threads(1)
@@ -192,12 +193,13 @@ class RecordingReporter:
     """Records what the trainer would post to the service. A checkpoint is verified at the
     moment it is reported: the service must only ever hear of complete checkpoints."""
 
-    def __init__(self, stop_at: int | None = None) -> None:
+    def __init__(self, stop_at: int | None = None, pause_at: int | None = None) -> None:
         self.stop_at = stop_at
+        self.pause_at = pause_at
         self.metrics_by_step: dict[int, dict[str, float]] = {}
         self.eval_results: list[EvalResult] = []
         self.checkpoints: list[CheckpointRef] = []
-        self.stop_checks: list[int] = []
+        self.checks: list[tuple[int, bool]] = []  # (step, now): now is a fencing check
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         assert step not in self.metrics_by_step, f"metrics of step {step} reported twice"
@@ -211,9 +213,13 @@ class RecordingReporter:
         self.checkpoints.append(ref)
         return True
 
-    def should_stop(self, step: int) -> bool:
-        self.stop_checks.append(step)
-        return self.stop_at is not None and step >= self.stop_at
+    def check(self, step: int, *, now: bool = False) -> Action:
+        self.checks.append((step, now))
+        if self.stop_at is not None and step >= self.stop_at:
+            return "stop"
+        if self.pause_at is not None and step >= self.pause_at:
+            return "pause"
+        return "continue"
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -20,10 +19,12 @@ from worker.checkpoint import (
     RNG,
     STATE,
     CheckpointState,
+    CheckpointWriter,
     apply_retention,
     capture_rng,
     find_latest_complete,
     load_checkpoint,
+    publish_checkpoint,
     restore_rng,
     save_checkpoint,
     verify_checkpoint,
@@ -184,20 +185,55 @@ def test_a_checkpoint_without_manifest_is_incomplete(
     assert find_latest_complete(tmp_path) is None
 
 
-def test_saving_a_step_again_replaces_it(
+def test_saving_a_step_again_never_replaces_the_existing_checkpoint(
     tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
 ) -> None:
+    # The step directory may belong to the attempt that replaced this one (a revived zombie
+    # saving late): it is kept, byte for byte, and the late copy discarded.
     model, optimizers = trained(workflow)
     directory = tmp_path / "checkpoints"
     first = save(directory, 4, model, tokenizer, optimizers)
+    before = (first / MODEL_WEIGHTS).read_bytes()
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     second = save(directory, 4, model, tokenizer, optimizers)
     assert first == second
     verify_checkpoint(second)
-    name, param = next(iter(model.named_parameters()))
-    assert torch.equal(load_file(second / MODEL_WEIGHTS)[name], param.detach())
+    assert (second / MODEL_WEIGHTS).read_bytes() == before
     assert [p.name for p in directory.iterdir()] == ["step-00000004"]
+
+
+def test_a_step_directory_that_is_not_this_runs_step_is_quarantined_not_overwritten(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    directory = tmp_path / "checkpoints"
+    other = save(directory, 2, model, tokenizer, optimizers)
+    in_the_way = directory / "step-00000004"
+    other.rename(in_the_way)  # complete, but of step 2
+    saved = save(directory, 4, model, tokenizer, optimizers)
+    assert saved == in_the_way
+    assert load_checkpoint(saved).state.step == 4
+    (quarantined,) = directory.glob("step-00000004.corrupt-*")
+    assert load_checkpoint(quarantined).state.step == 2
+
+
+def test_a_background_save_writes_only_its_own_temporary_directory(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    model, optimizers = trained(workflow)
+    directory = tmp_path / "checkpoints"
+    writer = CheckpointWriter(directory=directory, tokenizer=tokenizer)
+    writer.start(model=model, optimizers=optimizers, state=state_at(3, optimizers))
+    saved = writer.wait()
+    writer.close()
+    assert saved is not None
+    state, tmp = saved
+    assert state.step == 3 and tmp.name.startswith(".tmp-step-00000003-")
+    verify_checkpoint(tmp)
+    assert [p.name for p in directory.iterdir()] == [tmp.name]  # nothing put in place
+    assert publish_checkpoint(tmp) == directory / "step-00000003"
+    assert [p.name for p in directory.iterdir()] == ["step-00000003"]
 
 
 def test_retention_keeps_the_newest_and_each_phase_final(tmp_path: Path) -> None:

@@ -130,3 +130,16 @@ def test_metrics_are_split_into_batches_of_at_most_1000_points() -> None:
     accepted = client_answering(handler).metrics("a1", fencing_token=1, points=points)
     assert sizes == [1000, 1000, 500]
     assert accepted.accepted == 2500
+
+
+def test_metric_errors_are_answered_with_indexes_into_all_the_points() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        points = json.loads(request.content)["points"]
+        bad = [i for i, p in enumerate(points) if p["step"] % 700 == 0]
+        errors = [{"index": i, "error": "refused"} for i in bad]
+        return httpx.Response(200, json={"accepted": len(points) - len(bad), "errors": errors})
+
+    points = [MetricPoint(name="loss", step=i, value=1.0) for i in range(1, 1500)]
+    answer = client_answering(handler).metrics("a1", fencing_token=1, points=points)
+    assert answer.accepted == 1497
+    assert [points[e.index].step for e in answer.errors] == [700, 1400]

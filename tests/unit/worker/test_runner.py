@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,17 @@ class InProcessService:
     """Answers the internal API the way the service does, and records every request. It owns
     no database: the runner is tested against the HTTP contract, not the service's storage."""
 
-    def __init__(self, claim: Claim | None, *, stop_after_heartbeats: int | None = None) -> None:
+    def __init__(
+        self,
+        claim: Claim | None,
+        *,
+        stop_after_heartbeats: int | None = None,
+        pause_after_heartbeats: int | None = None,
+    ) -> None:
         self.claim = claim
         self.stop_after_heartbeats = stop_after_heartbeats
+        self.pause_after_heartbeats = pause_after_heartbeats
+        self.down_for = 0
         self.superseded_on: str | None = None
         self.unavailable_on: str | None = None
         self.posts: list[tuple[str, dict[str, Any]]] = []
@@ -30,6 +39,9 @@ class InProcessService:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         kind = request.url.path.rsplit("/", 1)[-1]
         body = json.loads(request.content)
+        if kind != "claim" and self.down_for > 0:
+            self.down_for -= 1
+            return httpx.Response(503, json={"error": {"code": "down", "message": "restarting"}})
         self.posts.append((kind, body))
         if kind == self.superseded_on:
             return conflict("superseded")
@@ -42,9 +54,9 @@ class InProcessService:
         if kind == "heartbeat":
             beats = len(self.of("heartbeat"))
             stop = self.stop_after_heartbeats is not None and beats >= self.stop_after_heartbeats
-            return httpx.Response(
-                200, json={"action": "stop" if stop else "continue", "lease_seconds": 60}
-            )
+            pause = self.pause_after_heartbeats is not None and beats >= self.pause_after_heartbeats
+            action = "stop" if stop else "pause" if pause else "continue"
+            return httpx.Response(200, json={"action": action, "lease_seconds": 60})
         if kind == "metrics":
             return httpx.Response(200, json={"accepted": len(body["points"])})
         return httpx.Response(200, json={"accepted": 1})
@@ -62,7 +74,9 @@ def conflict(code: str) -> httpx.Response:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> WorkerSettings:
-    return WorkerSettings(home=tmp_path / "home", device="cpu", heartbeat_seconds=0)
+    return WorkerSettings(
+        home=tmp_path / "home", device="cpu", heartbeat_seconds=0, spool_flush_seconds=0
+    )
 
 
 @pytest.fixture
@@ -104,7 +118,10 @@ def test_a_successful_attempt_reports_everything_then_finishes(
     assert [r["step"] for batch in service.of("evals") for r in batch["results"]] == [0, 3]
     (checkpoint,) = service.of("checkpoints")
     assert checkpoint["checkpoint"]["step"] == 3
-    assert len(service.of("heartbeat")) == 2  # after steps 1 and 2 (heartbeat_seconds=0)
+    # After steps 1 and 2 (heartbeat_seconds=0), and the fencing check before step 3's
+    # checkpoint is put in place.
+    assert [h["step"] for h in service.of("heartbeat")] == [1, 2, 3]
+    assert service.kinds()[-3:] == ["heartbeat", "checkpoints", "finish"]
 
 
 def test_a_duplicate_message_is_dropped(workflow: Workflow, settings: WorkerSettings) -> None:
@@ -171,11 +188,59 @@ def test_superseded_while_reporting_stops_without_writing(
     assert not list((Path(claim.artifact_dir) / "checkpoints").glob("step-*"))
 
 
-def test_an_unreachable_service_at_the_end_is_raised_for_celery_to_retry(
+def test_an_unreachable_service_at_the_end_leaves_the_finish_spooled_for_the_retry(
     workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
 ) -> None:
     service = InProcessService(make_claim(workflow))
     service.unavailable_on = "finish"
-    with pytest.raises(ServiceUnavailable, match="503"):
+    with pytest.raises(ServiceUnavailable, match="the finish last, are spooled"):
         attempt(service, settings)
     assert service.kinds()[-4:] == ["finish"] * 4  # the first try and three retries
+    (spooled,) = (settings.spool_dir / "attempt-1").glob("*.json")
+    assert json.loads(spooled.read_text())["kind"] == "finish"
+
+    # Celery retries the task: the spool is sent before the claim, which is then refused.
+    service.unavailable_on, service.claim = None, None
+    assert attempt(service, settings) is None
+    assert service.kinds()[-2:] == ["finish", "claim"]
+    assert service.of("finish")[-1]["status"] == "succeeded"
+    assert list(settings.spool_dir.iterdir()) == []
+
+
+def test_reports_during_an_outage_arrive_in_order_exactly_once(
+    workflow: Workflow,
+    make_claim: Callable[..., Claim],
+    settings: WorkerSettings,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    service = InProcessService(make_claim(workflow))
+    service.down_for = 10  # the first 10 requests after the claim answer 503
+    with caplog.at_level(logging.WARNING):
+        outcome = attempt(service, settings)
+    assert outcome.status == "succeeded"
+    assert "spooling reports from now on" in caplog.text
+    delivered = service.kinds()
+    assert delivered[-1] == "finish" and delivered.count("finish") == 1
+    points = [(p["name"], p["step"]) for b in service.of("metrics") for p in b["points"]]
+    assert len(points) == len(set(points)) and sorted({s for _, s in points}) == [1, 2, 3]
+    assert [r["step"] for b in service.of("evals") for r in b["results"]] == [0, 3]
+    assert [c["checkpoint"]["step"] for c in service.of("checkpoints")] == [3]
+    assert list(settings.spool_dir.iterdir()) == []
+
+
+def test_a_pause_answer_checkpoints_and_finishes_paused(
+    make_workflow: Callable[..., Workflow],
+    make_pairs_file: Callable[..., Path],
+    make_claim: Callable[..., Claim],
+    settings: WorkerSettings,
+) -> None:
+    workflow = make_workflow(
+        [{"name": "sft", "objective": "qa_reasoning", "data": [make_pairs_file()], "steps": 6}]
+    )
+    service = InProcessService(make_claim(workflow), pause_after_heartbeats=2)
+    outcome = attempt(service, settings)
+    assert (outcome.status, outcome.step) == ("paused", 2)
+    assert service.kinds()[-3:] == ["heartbeat", "checkpoints", "finish"]
+    assert service.of("checkpoints")[0]["checkpoint"]["step"] == 2
+    assert service.of("finish")[0]["status"] == "paused"
+    assert service.of("finish")[0]["step"] == 2

@@ -274,7 +274,7 @@ def test_initial_checkpoint_supplies_the_starting_weights(
         assert baseline.cross_entropy == first_reporter.eval_results[-1].cross_entropy
 
 
-def test_a_stop_answer_stops_without_writing(
+def test_a_stop_answer_stops_without_putting_a_save_in_flight_in_place(
     make_workflow: Callable[..., Workflow],
     make_claim: Callable[..., Claim],
     make_reporter: Callable[..., Any],
@@ -295,12 +295,76 @@ def test_a_stop_answer_stops_without_writing(
     outcome = run(make_claim(workflow), workflow, reporter)
     assert (outcome.status, outcome.step, outcome.checkpoint) == ("stopped", 3, None)
     assert max(reporter.metrics_by_step) == 3
-    # Step 2's save runs in the background: registered if it finished before step 3 ended,
-    # never after the stop answer; either way it is complete on disk and nothing came later.
-    assert [c.step for c in reporter.checkpoints] in ([], [2])
-    (saved,) = list_checkpoints(checkpoints_dir(make_claim(workflow).artifact_dir))
-    assert saved[0] == 2
-    verify_checkpoint(saved[1])
+    # Step 2's save was in flight: whether it finished before step 3's order or not, the
+    # fencing check before its rename said stop, so it stays an unpublished temporary.
+    assert reporter.checkpoints == []
+    directory = checkpoints_dir(make_claim(workflow).artifact_dir)
+    assert list_checkpoints(directory) == []
+    (tmp,) = directory.iterdir()
+    assert tmp.name.startswith(".tmp-step-00000002-")
+    verify_checkpoint(tmp)  # finished writing its own directory, and nothing else
+
+
+def test_a_pause_answer_checkpoints_now_and_ends_paused(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 8}],
+        checkpoint={"every_steps": 100, "keep_last": 2},
+    )
+    reporter = make_reporter(pause_at=3)
+    outcome = run(make_claim(workflow), workflow, reporter)
+    assert (outcome.status, outcome.step) == ("paused", 3)
+    assert [c.step for c in reporter.checkpoints] == [3]
+    assert outcome.checkpoint == reporter.checkpoints[0]
+    assert sorted(reporter.metrics_by_step) == [1, 2, 3]
+    # The checkpoint was put in place only after a fencing check of its own.
+    assert reporter.checks[-1] == (3, True)
+
+    resumed = make_reporter()
+    claim = make_claim(workflow, resume_from=outcome.checkpoint)
+    assert run(claim, workflow, resumed).status == "succeeded"
+    assert sorted(resumed.metrics_by_step) == [4, 5, 6, 7, 8]
+
+
+def test_a_revived_zombie_writes_nothing_into_the_new_owners_checkpoints(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+) -> None:
+    workflow = make_workflow(
+        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 6}],
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    owner = make_claim(workflow)
+    run(owner, workflow, make_reporter())
+    directory = checkpoints_dir(owner.artifact_dir)
+
+    def contents() -> dict[str, bytes]:
+        return {
+            str(p.relative_to(directory)): p.read_bytes()
+            for p in directory.rglob("*")
+            if p.is_file() and not p.relative_to(directory).parts[0].startswith(".tmp-")
+        }
+
+    before = contents()
+    assert sorted({k.split("/")[0] for k in before}) == ["step-00000004", "step-00000006"]
+
+    class Zombie(type(make_reporter())):  # type: ignore[misc]
+        """Its lease lapsed while it was stopped: every fencing check answers stop."""
+
+        def check(self, step: int, *, now: bool = False) -> str:
+            super().check(step, now=now)
+            return "stop" if now else "continue"
+
+    zombie = Zombie()
+    outcome = run(owner.model_copy(update={"attempt_id": "zombie"}), workflow, zombie)
+    assert outcome.status == "stopped" and zombie.checkpoints == []
+    assert contents() == before  # no step directory added, replaced or deleted
 
 
 def test_preemption_checkpoints_at_once(
