@@ -20,15 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from procs import DEMO, Proc, Stack, processes, wait_for_run
-from safetensors.torch import load_file
-
-from contracts.workflow import resolve_paths
+from exact import assert_identical_runs, differences, final_state, reference_run, workflow
+from procs import Proc, Stack, processes, wait_for_run
 
 pytestmark = pytest.mark.integration
 
-STEPS = 12
 # A failpoint per instant of issue 3: before the first update, in the middle of the warmup,
 # right after a checkpoint is registered, and while one is being written.
 INSTANTS = {
@@ -42,25 +38,6 @@ INSTANTS = {
 # automatic recovery has its own tests).
 SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": "3", "TRAINCTL_REAPER_INTERVAL_SECONDS": "3600"}
 WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
-
-
-def workflow(objective: str, *, steps: int = STEPS) -> dict[str, Any]:
-    """One phase of the demo model with dropout on, checkpoints every 4 steps."""
-    doc = resolve_paths(json.loads(DEMO.read_text()), DEMO.parent)
-    source = next(p for p in doc["phases"] if p["objective"] == objective)
-    doc["model"]["config"]["attention_dropout"] = 0.1
-    doc["checkpoint"] = {"every_steps": 4, "keep_last": 2}
-    doc["evals"] = [{**e, "every_steps": 4} for e in doc["evals"] if e["task"] == objective]
-    doc["phases"] = [
-        {
-            **source,
-            "sequence_length": 64,
-            "microbatch_size": 8,
-            "steps": steps,
-            "schedule": {"kind": "cosine", "warmup_steps": 4},
-        }
-    ]
-    return doc
 
 
 def make_initial_checkpoint(path: Path, config: dict[str, Any]) -> Path:
@@ -98,49 +75,6 @@ def resume_when_lease_lapses(api: httpx.Client, run_id: str) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-def final_state(run: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
-    checkpoint = Path(run["latest_checkpoint"]["path"])
-    assert run["latest_checkpoint"]["step"] == run["total_steps"]
-    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    return load_file(checkpoint / "model.safetensors"), optimizer
-
-
-def differences(a: Any, b: Any, where: str = "") -> list[str]:
-    """Every place where two nested states differ (tensors compared bit for bit)."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [where]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{where}.{k}")]
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        if len(a) != len(b):
-            return [f"{where}: length {len(a)} != {len(b)}"]
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in differences(x, y, f"{where}[{i}]")
-        ]
-    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
-
-
-def series(api: httpx.Client, run_id: str) -> dict[str, Any]:
-    return api.get(f"/runs/{run_id}/metrics", params={"names": "loss,lr,lr_muon"}).json()
-
-
-def assert_identical_runs(
-    api: httpx.Client, resumed: dict[str, Any], reference: dict[str, Any]
-) -> None:
-    weights, optimizer = final_state(resumed)
-    ref_weights, ref_optimizer = final_state(reference)
-    assert differences(weights, ref_weights) == []
-    assert differences(optimizer, ref_optimizer) == []
-    # Every step's loss and learning rate, not only the end: no step lost, none done twice.
-    assert series(api, resumed["id"]) == series(api, reference["id"])
-    assert resumed["signature"] == reference["signature"]
-
-
 def kill_and_resume(
     stack: Stack, api: httpx.Client, body: dict[str, Any], failpoint: str, **resume_env: str
 ) -> tuple[dict[str, Any], Proc]:
@@ -159,14 +93,6 @@ def kill_and_resume(
     assert run["status"] == "succeeded", run
     assert [(a["number"], a["status"]) for a in run["attempts"]] == [(1, "lost"), (2, "succeeded")]
     return run, clean
-
-
-def reference_run(api: httpx.Client, body: dict[str, Any], worker: Proc) -> dict[str, Any]:
-    created = api.post("/runs", json=body)
-    assert created.status_code == 201, created.text
-    run = wait_for_run(api, created.json()["id"], timeout=300, procs=[worker])
-    assert run["status"] == "succeeded", run
-    return run
 
 
 @pytest.mark.parametrize("instant", INSTANTS)

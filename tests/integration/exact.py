@@ -1,0 +1,87 @@
+"""Helpers for comparing runs bit for bit: the workflows the exactness tests train and the
+final states they compare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from procs import DEMO, Proc, wait_for_run
+from safetensors.torch import load_file
+
+from contracts.workflow import resolve_paths
+
+STEPS = 12
+
+
+def workflow(objective: str, *, steps: int = STEPS) -> dict[str, Any]:
+    """One phase of the demo model with dropout on, checkpoints every 4 steps."""
+    doc = resolve_paths(json.loads(DEMO.read_text()), DEMO.parent)
+    source = next(p for p in doc["phases"] if p["objective"] == objective)
+    doc["model"]["config"]["attention_dropout"] = 0.1
+    doc["checkpoint"] = {"every_steps": 4, "keep_last": 2}
+    doc["evals"] = [{**e, "every_steps": 4} for e in doc["evals"] if e["task"] == objective]
+    doc["phases"] = [
+        {
+            **source,
+            "sequence_length": 64,
+            "microbatch_size": 8,
+            "steps": steps,
+            "schedule": {"kind": "cosine", "warmup_steps": 4},
+        }
+    ]
+    return doc
+
+
+def final_state(run: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    checkpoint = Path(run["latest_checkpoint"]["path"])
+    assert run["latest_checkpoint"]["step"] == run["total_steps"]
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    return load_file(checkpoint / "model.safetensors"), optimizer
+
+
+def differences(a: Any, b: Any, where: str = "") -> list[str]:
+    """Every place where two nested states differ (tensors compared bit for bit)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{where}[{i}]")
+        ]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def series(api: httpx.Client, run_id: str) -> dict[str, Any]:
+    return api.get(f"/runs/{run_id}/metrics", params={"names": "loss,lr,lr_muon"}).json()
+
+
+def assert_identical_runs(
+    api: httpx.Client, resumed: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    weights, optimizer = final_state(resumed)
+    ref_weights, ref_optimizer = final_state(reference)
+    assert differences(weights, ref_weights) == []
+    assert differences(optimizer, ref_optimizer) == []
+    # Every step's loss and learning rate, not only the end: no step lost, none done twice.
+    assert series(api, resumed["id"]) == series(api, reference["id"])
+    assert resumed["signature"] == reference["signature"]
+
+
+def reference_run(api: httpx.Client, body: dict[str, Any], worker: Proc) -> dict[str, Any]:
+    created = api.post("/runs", json=body)
+    assert created.status_code == 201, created.text
+    run = wait_for_run(api, created.json()["id"], timeout=300, procs=[worker])
+    assert run["status"] == "succeeded", run
+    return run
