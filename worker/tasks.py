@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutting_down
 
 from contracts.dispatch import RUN_PHASE_TASK
@@ -45,4 +46,8 @@ def _on_worker_ready(**_: Any) -> None:
     max_retries=8,
 )
 def run_phase(attempt_id: str) -> None:
+    if _preempted.is_set():
+        # A worker that received its preemption notice may still be handed one more message
+        # while it drains; claiming it would only preempt it again. Back to the queue with it.
+        raise Reject(f"attempt {attempt_id}: this worker is shutting down", requeue=True)
     run_attempt(attempt_id, settings=app.settings, stop_requested=_preempted.is_set)

@@ -81,3 +81,18 @@ def test_a_warm_shutdown_asks_the_running_phase_to_stop(
     # What Celery sends on SIGTERM (a spot instance's preemption notice).
     worker_shutting_down.send(sender="worker@host", sig="SIGTERM", how="Warm", exitcode=0)
     assert kwargs["stop_requested"]() is True
+
+
+def test_a_worker_shutting_down_hands_new_messages_back(
+    tasks: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery.exceptions import Reject
+    from celery.signals import worker_shutting_down
+
+    calls: list[str] = []
+    monkeypatch.setattr(tasks, "run_attempt", lambda attempt_id, **kw: calls.append(attempt_id))
+    worker_shutting_down.send(sender="test", sig="SIGTERM", how="Warm", exitcode=0)
+    with pytest.raises(Reject) as rejected:
+        tasks.app.tasks[RUN_PHASE_TASK].run("attempt-10")
+    assert rejected.value.requeue is True
+    assert calls == [], "nothing was claimed"
