@@ -263,3 +263,56 @@ def test_a_database_outage_answers_503_and_loses_no_run(tmp_path: Path, postgres
             assert run["status"] == "succeeded", run
             assert_each_step_once(api, run)
             assert [r["id"] for r in api.get("/runs").json()["runs"]] == [run_id]
+
+
+def test_pause_checkpoints_and_a_resume_continues_exactly(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    body = {"workflow": workflow("continued_pretrain", steps=40)}
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, TRAINCTL_LEASE_SECONDS="60")
+        worker = stack.worker(**WORKER_ENV)
+        with stack.api() as api:
+            run_id = api.post("/runs", json=body).json()["id"]
+            wait_until(
+                lambda: api.get(f"/runs/{run_id}").json()["step"] >= 5, timeout=120, what="step 5"
+            )
+            assert api.post(f"/runs/{run_id}/pause").status_code == 200
+            paused = wait_until(
+                lambda: (r := api.get(f"/runs/{run_id}").json())["status"] == "paused" and r,
+                timeout=60,
+                what="the worker to checkpoint and pause",
+            )
+            assert paused["attempts"][0]["status"] == "paused"
+            assert paused["latest_checkpoint"]["step"] == paused["step"] < 40
+            assert worker.popen.poll() is None, "a pause stops the run, not the worker"
+
+            assert api.post(f"/runs/{run_id}/resume").status_code == 200
+            run = wait_for_run(api, run_id, timeout=300, procs=[worker])
+            assert run["status"] == "succeeded", run
+            assert [a["status"] for a in run["attempts"]] == ["paused", "succeeded"]
+            assert_identical_runs(api, run, reference_run(api, body, worker))
+
+
+def test_cancel_stops_the_worker_and_frees_it(tmp_path: Path, postgres_url: str) -> None:
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, TRAINCTL_LEASE_SECONDS="60")
+        worker = stack.worker(**WORKER_ENV)
+        with stack.api() as api:
+            long = {"workflow": workflow("continued_pretrain", steps=400)}
+            run_id = api.post("/runs", json=long).json()["id"]
+            wait_until(
+                lambda: api.get(f"/runs/{run_id}").json()["step"] >= 5, timeout=120, what="step 5"
+            )
+            cancelled = api.post(f"/runs/{run_id}/cancel")
+            assert cancelled.status_code == 200
+            assert cancelled.json()["status"] == "cancelled"
+            # The worker hears it at its next heartbeat and takes the next run.
+            short = {"workflow": workflow("summarization", steps=4)}
+            next_run = api.post("/runs", json=short).json()
+            done = wait_for_run(api, next_run["id"], timeout=300, procs=[worker])
+            assert done["status"] == "succeeded"
+            run = api.get(f"/runs/{run_id}").json()
+            assert run["status"] == "cancelled"
+            assert run["step"] < 400
+            assert run["attempts"][0]["status"] == "superseded"
