@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cli.client import ApiClient, ApiError
@@ -48,7 +49,8 @@ def client() -> ApiClient:
 
 
 def fail(message: str, code: int) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {message}")
+    # Escaped: messages quote user input and codes in brackets, which are not markup.
+    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -58,7 +60,7 @@ def call(method: str, path: str, **kwargs: Any) -> Any:
             return api.request(method, path, **kwargs)
     except ApiError as err:
         detail = f"\n{json.dumps(err.details, indent=2)}" if err.details else ""
-        raise fail(f"{err.message}{detail}", EXIT_API) from err
+        raise fail(f"{err.message} [{err.code}]{detail}", EXIT_API) from err
 
 
 def load_workflow(path: Path) -> dict[str, Any]:
@@ -285,6 +287,26 @@ def runs_resume(
         f"resumed run [bold]{run['id']}[/bold]: attempt {attempt['number']} continues phase "
         f"{run.get('phase')} from {start}"
     )
+
+
+def _control(run_id: str, action: str, as_json: bool) -> None:
+    run = call("POST", f"/runs/{run_id}/{action}")
+    if as_json:
+        print(json.dumps(run, indent=2))
+    else:
+        console.print(f"run [bold]{run['id']}[/bold]: {run['status']}")
+
+
+@runs_app.command("pause")
+def runs_pause(run_id: str, as_json: JsonOpt = False) -> None:
+    """Ask the worker to checkpoint and stop; `runs resume` continues from that checkpoint."""
+    _control(run_id, "pause", as_json)
+
+
+@runs_app.command("cancel")
+def runs_cancel(run_id: str, as_json: JsonOpt = False) -> None:
+    """Stop a run for good, without a new checkpoint."""
+    _control(run_id, "cancel", as_json)
 
 
 @runs_app.command("list")

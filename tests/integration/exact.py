@@ -4,6 +4,8 @@ final states they compare."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +87,17 @@ def reference_run(api: httpx.Client, body: dict[str, Any], worker: Proc) -> dict
     run = wait_for_run(api, created.json()["id"], timeout=300, procs=[worker])
     assert run["status"] == "succeeded", run
     return run
+
+
+def make_initial_checkpoint(path: Path, config: dict[str, Any]) -> Path:
+    """A model directory built in its own process (no RNG stream shared with the test)."""
+    script = (
+        "import json, sys, torch\n"
+        "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "cfg = json.loads(sys.argv[2]); kind = cfg.pop('model_type')\n"
+        "torch.manual_seed(7)\n"
+        "AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **cfg))"
+        ".save_pretrained(sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(path), json.dumps(config)], check=True)
+    return path

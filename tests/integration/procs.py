@@ -108,14 +108,21 @@ def start_api(
     return proc, url
 
 
-def run_cli(args: list[str], *, env: dict[str, str], timeout: float = 120) -> str:
-    result = subprocess.run(
+def cli(
+    args: list[str], *, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`trainctl ARGS` as a user runs it; the caller checks the exit code."""
+    return subprocess.run(
         [sys.executable, "-m", "cli", *args],
         env=child_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run_cli(args: list[str], *, env: dict[str, str], timeout: float = 120) -> str:
+    result = cli(args, env=env, timeout=timeout)
     assert result.returncode == 0, f"trainctl {' '.join(args)}: {result.stderr}{result.stdout}"
     return result.stdout
 

@@ -9,18 +9,22 @@ did not restore the RNG would differ (the negative control proves that it does).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from exact import assert_identical_runs, differences, final_state, reference_run, workflow
+from exact import (
+    assert_identical_runs,
+    differences,
+    final_state,
+    make_initial_checkpoint,
+    reference_run,
+    workflow,
+)
 from procs import Proc, Stack, processes, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -38,20 +42,6 @@ INSTANTS = {
 # automatic recovery has its own tests).
 SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": "3", "TRAINCTL_REAPER_INTERVAL_SECONDS": "3600"}
 WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
-
-
-def make_initial_checkpoint(path: Path, config: dict[str, Any]) -> Path:
-    """A model directory built in its own process (no RNG stream shared with the test)."""
-    script = (
-        "import json, sys, torch\n"
-        "from transformers import AutoConfig, AutoModelForCausalLM\n"
-        "cfg = json.loads(sys.argv[2]); kind = cfg.pop('model_type')\n"
-        "torch.manual_seed(7)\n"
-        "AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **cfg))"
-        ".save_pretrained(sys.argv[1])\n"
-    )
-    subprocess.run([sys.executable, "-c", script, str(path), json.dumps(config)], check=True)
-    return path
 
 
 def submission(objective: str, tmp_path: Path) -> dict[str, Any]:
