@@ -64,6 +64,12 @@ def empty_postgres_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def postgres_admin_url() -> str:
+    """The maintenance database's URL, for tests that act on their own database from outside."""
+    return POSTGRES_ADMIN_URL
+
+
+@pytest.fixture
 def postgres_url(empty_postgres_url: str) -> str:
     """A fresh Postgres database for this test only, migrated to the latest revision."""
     upgrade_database(empty_postgres_url)

@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from conftest import POSTGRES_ADMIN_URL
 from exact import assert_identical_runs, reference_run, workflow
 from procs import Proc, Stack, processes, wait_for_run
 
@@ -228,8 +227,8 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _set_connections(database: str, *, allowed: bool) -> None:
-    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
+def _set_connections(admin_url: str, database: str, *, allowed: bool) -> None:
+    with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS {str(allowed).lower()}')
         if not allowed:
             conn.execute(
@@ -238,7 +237,9 @@ def _set_connections(database: str, *, allowed: bool) -> None:
             )
 
 
-def test_a_database_outage_answers_503_and_loses_no_run(tmp_path: Path, postgres_url: str) -> None:
+def test_a_database_outage_answers_503_and_loses_no_run(
+    tmp_path: Path, postgres_url: str, postgres_admin_url: str
+) -> None:
     database = postgres_url.rsplit("/", 1)[1]
     body = {"workflow": workflow("continued_pretrain", steps=30)}
     with processes() as procs:
@@ -249,7 +250,7 @@ def test_a_database_outage_answers_503_and_loses_no_run(tmp_path: Path, postgres
             wait_until(
                 lambda: api.get(f"/runs/{run_id}").json()["step"] >= 5, timeout=120, what="step 5"
             )
-            _set_connections(database, allowed=False)
+            _set_connections(postgres_admin_url, database, allowed=False)
             try:
                 answer = api.get(f"/runs/{run_id}")
                 assert answer.status_code == 503, answer.text
@@ -258,7 +259,7 @@ def test_a_database_outage_answers_503_and_loses_no_run(tmp_path: Path, postgres
                 assert api.get("/healthz").status_code == 200
                 time.sleep(2)  # the worker trains on meanwhile
             finally:
-                _set_connections(database, allowed=True)
+                _set_connections(postgres_admin_url, database, allowed=True)
             run = wait_for_run(api, run_id, timeout=300, procs=[worker])
             assert run["status"] == "succeeded", run
             assert_each_step_once(api, run)
