@@ -29,8 +29,15 @@ class ApiClient:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as err:
             raise ApiError(0, "unreachable", f"cannot reach {self._http.base_url}: {err}") from err
+        except httpx.HTTPError as err:  # e.g. a malformed TRAINCTL_API_URL
+            raise ApiError(0, "bad_request", f"{method} {path}: {err}") from err
         if response.is_success:
-            return response.json()
+            try:
+                return response.json()
+            except ValueError:
+                raise ApiError(
+                    response.status_code, "not_json", f"{self._http.base_url} answered non-JSON"
+                ) from None
         try:
             error = response.json()["error"]
             raise ApiError(response.status_code, error["code"], error["message"], error["details"])

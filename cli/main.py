@@ -73,6 +73,8 @@ def load_workflow(path: Path) -> dict[str, Any]:
         raise fail(f"workflow file {path} not found", EXIT_BAD_INPUT) from err
     except json.JSONDecodeError as err:
         raise fail(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}", 2) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise fail(f"workflow file {path} cannot be read: {err}", EXIT_BAD_INPUT) from err
     if not isinstance(doc, dict):
         raise fail(f"{path}: a workflow must be a JSON object", EXIT_BAD_INPUT)
     return resolve_paths(doc, path.resolve().parent)

@@ -6,11 +6,12 @@ service refuses reports whose token is not the attempt's current one (409 `super
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from contracts.signature import Digests
+from contracts.workflow import MAX_COUNT
 
 # One request may carry at most this many metric points; the reporter splits larger batches.
 MAX_POINTS_PER_BATCH = 1000
@@ -35,9 +36,9 @@ class CheckpointRef(BaseModel):
     """A complete checkpoint registered with the service."""
 
     path: str
-    step: int  # global step (counted over the whole run)
-    phase_index: int
-    phase_step: int
+    step: Step  # global step (counted over the whole run)
+    phase_index: int = Field(ge=0, le=MAX_COUNT)
+    phase_step: Step
 
 
 class Claim(BaseModel):
@@ -58,9 +59,13 @@ class Claim(BaseModel):
     artifact_dir: str  # <artifact_root>/runs/<run_id>
 
 
+# Steps are stored in 32-bit columns.
+Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
+
 class Heartbeat(BaseModel):
     fencing_token: int
-    step: int
+    step: Step
 
 
 class HeartbeatAnswer(BaseModel):
@@ -72,7 +77,7 @@ class HeartbeatAnswer(BaseModel):
 
 class MetricPoint(BaseModel):
     name: str
-    step: int
+    step: int  # range-checked per item by the service, which reports bad points individually
     value: float
 
 
@@ -84,9 +89,9 @@ class MetricBatch(BaseModel):
 class EvalResult(BaseModel):
     """One task's evaluation at one step: token-weighted, target-only cross-entropy."""
 
-    task: str
-    step: int
-    phase: str
+    task: str = Field(max_length=64)
+    step: Step
+    phase: str = Field(max_length=200)
     cross_entropy: float
     perplexity: float
     records: int
@@ -107,7 +112,7 @@ class CheckpointReport(BaseModel):
 class Finish(BaseModel):
     fencing_token: int
     status: Literal["succeeded", "failed", "preempted", "paused"]
-    step: int
+    step: Step
     cause: FailureCause | None = None
     message: str | None = None
 

@@ -23,11 +23,17 @@ Objective = Literal[
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 SUPERVISED_OBJECTIVES: tuple[str, ...] = tuple(o for o in OBJECTIVES if o != "continued_pretrain")
 
-PositiveInt = Annotated[int, Field(ge=1)]
+# Counts and sizes are stored in 32-bit integer columns; a larger one is a typo, not a plan.
+MAX_COUNT = 2**31 - 1
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+# Names are stored in 200-character columns.
+Name = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Python's JSON parser accepts Infinity and NaN; a learning rate of either only fails later,
+    # on a GPU, so they are refused here.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
@@ -53,7 +59,7 @@ class OptimizerSpec(_Strict):
 class CheckpointSpec(_Strict):
     every_steps: PositiveInt = 100
     # At least two, so a corrupt newest checkpoint always has a predecessor to fall back to.
-    keep_last: int = Field(2, ge=2)
+    keep_last: int = Field(2, ge=2, le=MAX_COUNT)
 
 
 class EvalSpec(_Strict):
@@ -73,13 +79,13 @@ class Schedule(_Strict):
     warmup-stable-decay (WSD: flat, then a linear decay over the last `decay_fraction`)."""
 
     kind: Literal["wsd", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT)
     decay_fraction: float = Field(0.2, ge=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
 class Phase(_Strict):
-    name: str = Field(min_length=1)
+    name: Name
     objective: Objective
     data: list[DataSource] = Field(min_length=1)
     sequence_length: PositiveInt
@@ -100,10 +106,10 @@ class Phase(_Strict):
 
 
 class Workflow(_Strict):
-    name: str = Field(min_length=1)
+    name: Name
     model: ModelSpec
     tokenizer: str
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     microbatch_tokens: PositiveInt
     optimizer: OptimizerSpec = OptimizerSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
@@ -176,7 +182,10 @@ def resolve_paths(doc: dict[str, Any], base_dir: Path) -> dict[str, Any]:
 
     def fix(value: Any) -> Any:
         if isinstance(value, str) and value and not Path(value).is_absolute():
-            return str((base_dir / value).resolve())
+            try:
+                return str((base_dir / value).resolve())
+            except (OSError, ValueError):  # a NUL byte, a name too long: reported by the checks
+                return value
         return value
 
     out = dict(doc)
@@ -205,6 +214,23 @@ def resolve_paths(doc: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _path_problem(path: str, *, kind: str) -> str | None:
+    """Why `path` is not an existing file (kind "file") or directory ("directory"), or None."""
+    try:
+        found = Path(path).is_dir() if kind == "directory" else Path(path).exists()
+    except (OSError, ValueError) as err:  # NUL bytes, over-long names
+        return f"{path[:200]!r} is not a usable path ({err})"
+    if "\0" in path:
+        return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
+    return None if found else f"{kind} {path} not found"
+
+
+def _data_file_problem(path: str) -> str | None:
+    if why := _path_problem(path, kind="file"):
+        return why
+    return None if Path(path).is_file() else f"{path} is not a regular file"
+
+
 def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]:
     """Cross-field checks. They run on whatever parts of the document parse, so that they are
     reported together with the structural errors."""
@@ -225,12 +251,21 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
             if not isinstance(cfg.get("vocab_size"), int):
                 add(Problem(path="model.config.vocab_size", message="is required (an integer)"))
             max_positions = cfg.get("max_position_embeddings")
-        if check_files and isinstance(has_pretrained, str) and not Path(has_pretrained).is_dir():
-            add(Problem(path="model.pretrained", message=f"directory {has_pretrained} not found"))
+        pretrained_problem = (
+            _path_problem(has_pretrained, kind="directory")
+            if check_files and isinstance(has_pretrained, str)
+            else None
+        )
+        if pretrained_problem:
+            add(Problem(path="model.pretrained", message=pretrained_problem))
 
     tokenizer = doc.get("tokenizer")
-    if check_files and isinstance(tokenizer, str) and not Path(tokenizer).exists():
-        add(Problem(path="tokenizer", message=f"file {tokenizer} not found"))
+    if (
+        check_files
+        and isinstance(tokenizer, str)
+        and (why := _path_problem(tokenizer, kind="file"))
+    ):
+        add(Problem(path="tokenizer", message=why))
 
     raw_phases = doc.get("phases")
     phases = raw_phases if isinstance(raw_phases, list) else []
@@ -281,15 +316,15 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
         data = raw_data if isinstance(raw_data, list) else []
         for j, source in enumerate(data):
             path = source.get("path") if isinstance(source, dict) else None
-            if check_files and isinstance(path, str) and not Path(path).is_file():
-                add(Problem(path=f"phases[{i}].data[{j}].path", message=f"file {path} not found"))
+            if check_files and isinstance(path, str) and (why := _data_file_problem(path)):
+                add(Problem(path=f"phases[{i}].data[{j}].path", message=why))
 
     raw_evals = doc.get("evals")
     evals = raw_evals if isinstance(raw_evals, list) else []
     for k, ev in enumerate(evals):
         path = ev.get("data") if isinstance(ev, dict) else None
-        if check_files and isinstance(path, str) and not Path(path).is_file():
-            add(Problem(path=f"evals[{k}].data", message=f"file {path} not found"))
+        if check_files and isinstance(path, str) and (why := _data_file_problem(path)):
+            add(Problem(path=f"evals[{k}].data", message=why))
     return problems
 
 

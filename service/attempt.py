@@ -31,6 +31,7 @@ from contracts.reports import (
 )
 from contracts.reports import MetricPoint as ReportedPoint
 from contracts.signature import Digests
+from contracts.workflow import MAX_COUNT
 from service.checkpoint import latest_checkpoint
 from service.db import insert_for, rowcount
 from service.errors import ApiError, not_found
@@ -414,8 +415,8 @@ def point_error(point: ReportedPoint) -> str | None:
         return "name is empty; name the metric (e.g. 'loss')"
     if len(point.name) > MAX_METRIC_NAME:
         return f"name is {len(point.name)} characters long; at most {MAX_METRIC_NAME} are stored"
-    if point.step < 0:
-        return f"step {point.step} is negative; steps count from 0"
+    if not 0 <= point.step <= MAX_COUNT:
+        return f"step {point.step} is out of range; steps count from 0 to {MAX_COUNT}"
     if not math.isfinite(point.value):
         return (
             f"value {point.value} at step {point.step} is not finite; only finite values are stored"

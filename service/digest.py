@@ -63,7 +63,7 @@ def resolve_digests(workflow: WorkflowSpec, *, initial_checkpoint: str | None) -
     def digest(field: str, path: str) -> str:
         try:
             return digest_path(path)
-        except (FileNotFoundError, NotADirectoryError, PermissionError) as err:
+        except (OSError, ValueError) as err:  # gone, unreadable, a NUL byte, a name too long
             problems.append({"path": field, "message": f"cannot read {path}: {err}"})
             return ""
 

@@ -13,7 +13,6 @@ import logging
 import threading
 
 from celery import Celery
-from kombu.exceptions import KombuError
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -65,7 +64,9 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
             for row in rows:
                 try:
                     celery.send_task(RUN_PHASE_TASK, args=[row.attempt_id], queue=queue)
-                except (KombuError, OSError) as err:
+                # Any failure to send (kombu's errors, or a transport's own such as redis-py's
+                # ConnectionError, which is no OSError) leaves the row for the next pass.
+                except Exception as err:
                     log.warning(
                         "could not send attempt %s to queue %r (%s); it stays in the outbox "
                         "and is retried",
@@ -127,7 +128,12 @@ class OutboxPump:
     def _loop(self) -> None:
         # The first pass runs at once: rows left by a previous process go out on startup.
         while True:
-            self.dispatch()
+            try:
+                self.dispatch()
+            except Exception:
+                # Same reasoning as the reaper: the outbox is only safe while its pass keeps
+                # running; a broker error kombu does not wrap must not end the thread.
+                log.exception("outbox pass failed; retrying in %.1f s", self.interval)
             if self._stop.wait(self.interval):
                 return
 

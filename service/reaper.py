@@ -108,7 +108,12 @@ class Reaper:
         # The first pass runs at once: leases that expired while no service ran are reaped on
         # startup.
         while True:
-            self.reap()
+            try:
+                self.reap()
+            except Exception:
+                # A pass that fails for any reason must not end the thread: without it, lost
+                # workers' runs would stay "running" forever. The next pass tries again.
+                log.exception("reaper pass failed; retrying in %.1f s", self.interval)
             if self._stop.wait(self.interval):
                 return
 

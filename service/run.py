@@ -51,8 +51,13 @@ def _replay(*, session: Session, key: str, request_sha: str) -> Run | None:
 
 
 def resolve_local_path(path: str, *, data_root: Path) -> str:
+    """An absolute form of a user-given path; a path the OS cannot use (a NUL byte, a name too
+    long) is kept as given, and reading it is refused later as a `missing_input`."""
     p = Path(path).expanduser()
-    return str((p if p.is_absolute() else data_root / p).resolve())
+    try:
+        return str((p if p.is_absolute() else data_root / p).resolve())
+    except (OSError, ValueError):
+        return path
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,9 @@ class RunCreate(BaseModel):
     initial_checkpoint: InitialCheckpointIn | None = None
     name: str | None = Field(None, min_length=1, max_length=200)
     # New attempts after errors with cause `infrastructure`; default TRAINCTL_MAX_RESTARTS.
-    max_restarts: int | None = Field(None, ge=0)
+    max_restarts: int | None = Field(None, ge=0, le=10_000)
     # New attempts after preemptions and lost workers; default TRAINCTL_MAX_PREEMPTIONS.
-    max_preemptions: int | None = Field(None, ge=0)
+    max_preemptions: int | None = Field(None, ge=0, le=10_000)
 
     @model_validator(mode="after")
     def _one_workflow(self) -> RunCreate:

@@ -89,6 +89,8 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
         raise DataError(f"{path}: file not found") from err
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+    except OSError as err:  # unreadable, a directory: retrying will not help
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from err
 
 
 def _json_fields(path: str, number: int, line: str, fields: Sequence[str]) -> list[str]:

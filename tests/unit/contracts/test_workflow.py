@@ -157,3 +157,20 @@ def test_shipped_demo_workflow_is_valid() -> None:
         "qa_reasoning",
         "retrieval_planning",
     }
+
+
+def test_unusable_paths_and_values_are_problems_not_crashes(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["tokenizer"] = "tok\0.json"
+    doc["phases"][0]["data"][0]["path"] = "/" + "x" * 5000
+    doc["phases"][1]["data"][0]["path"] = str(tmp_path)  # a directory, not a file
+    doc["phases"][0]["steps"] = 10**19
+    doc["optimizer"] = {"muon_lr": float("inf")}
+    doc["name"] = "n" * 201
+    found = problems_of(resolve_paths(doc, tmp_path))
+    assert "not a usable path" in found["tokenizer"]
+    assert "not a usable path" in found["phases[0].data[0].path"]
+    assert "not a regular file" in found["phases[1].data[0].path"]
+    assert "phases[0].steps" in found
+    assert "optimizer.muon_lr" in found
+    assert "name" in found

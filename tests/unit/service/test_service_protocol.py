@@ -78,7 +78,8 @@ def test_points_that_cannot_be_stored_say_why() -> None:
     assert "empty" in (error(name=" ") or "")
     assert "not finite" in (error(value=float("nan")) or "")
     assert "not finite" in (error(value=float("inf")) or "")
-    assert "negative" in (error(step=-1) or "")
+    assert "out of range" in (error(step=-1) or "")
+    assert "out of range" in (error(step=2**31) or "")
     assert "200" in (error(name="x" * 201) or "")
 
 
