@@ -7,9 +7,11 @@ worker is told by its heartbeat) or finds it superseded.
 
 from __future__ import annotations
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from service.attempt import expire_attempt, lease_expired, lock_current_attempt
+from service.db import rowcount
 from service.errors import ApiError
 from service.models import FINISHED_RUN_STATUSES, Attempt, Run, utcnow
 from service.run import get_run
@@ -33,10 +35,27 @@ def _run_finished(run: Run, action: str) -> ApiError:
     )
 
 
-def _supersede(attempt: Attempt, why: str) -> None:
-    attempt.status = "superseded"
-    attempt.finished_at = utcnow()
-    attempt.message = why
+def _supersede(session: Session, attempt: Attempt, why: str) -> None:
+    """Conditional: an attempt that finished meanwhile keeps its own ending."""
+    session.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt.id, Attempt.status.in_(("queued", "running")))
+        .values(status="superseded", finished_at=utcnow(), message=why)
+    )
+
+
+def _set_run_unless_finished(session: Session, run: Run, **values: object) -> bool:
+    """Change the run only while it is not finished, as one conditional UPDATE: the row locks
+    that guard this on Postgres do not exist on SQLite, where a finish committing between our
+    read and our write would otherwise be overwritten."""
+    won = rowcount(
+        session.execute(
+            update(Run)
+            .where(Run.id == run.id, Run.status.not_in(FINISHED_RUN_STATUSES))
+            .values(updated_at=utcnow(), **values)
+        )
+    )
+    return won == 1
 
 
 def pause_run(*, session: Session, run_id: str) -> Run:
@@ -63,10 +82,19 @@ def pause_run(*, session: Session, run_id: str) -> Run:
         )
     else:
         if current is not None and current.status == "queued":
-            _supersede(current, "superseded: the run was paused before a worker claimed it")
-        run.status = "paused"
-        run.message = "paused; resume continues from the latest checkpoint"
+            _supersede(
+                session, current, "superseded: the run was paused before a worker claimed it"
+            )
+        if not _set_run_unless_finished(
+            session,
+            run,
+            status="paused",
+            message="paused; resume continues from the latest checkpoint",
+        ):
+            session.rollback()
+            raise _run_finished(get_run(session=session, run_id=run_id), "paused")
     session.commit()
+    session.refresh(run)
     return run
 
 
@@ -82,8 +110,17 @@ def cancel_run(*, session: Session, run_id: str) -> Run:
         session.rollback()
         raise _run_finished(run, "cancelled")
     if current is not None and current.status in ("queued", "running"):
-        _supersede(current, "superseded: the run was cancelled")
-    run.status, run.finished_at, run.pause_requested_at = "cancelled", utcnow(), None
-    run.message = "cancelled by request"
+        _supersede(session, current, "superseded: the run was cancelled")
+    if not _set_run_unless_finished(
+        session,
+        run,
+        status="cancelled",
+        finished_at=utcnow(),
+        pause_requested_at=None,
+        message="cancelled by request",
+    ):
+        session.rollback()
+        raise _run_finished(get_run(session=session, run_id=run_id), "cancelled")
     session.commit()
+    session.refresh(run)
     return run

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from contracts.signature import FieldDiff, Signature, diff_components
@@ -143,5 +144,13 @@ def resume_run(
         # The same content may now lie elsewhere: workers read it where it is now.
         run.initial_checkpoint = initial.path
     run.signature_components = signature.components
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:
+        # Two resumes raced past the checks (SQLite has no row locks): the other one added
+        # this attempt number first and owns the run now.
+        session.rollback()
+        newest = lock_current_attempt(session, run.id)
+        assert newest is not None  # the one that won
+        raise _run_active(get_run(session=session, run_id=run.id), newest) from None
     return run, attempt
