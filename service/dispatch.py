@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.dispatch import RUN_PHASE_TASK, broker_options
 from service.models import OutboxMessage, utcnow
+from service.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,10 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                 return sent
 
 
-class OutboxPump:
+class OutboxPump(Periodic):
     """Dispatches after commits (`dispatch`) and every `interval` seconds in a thread."""
+
+    name = "outbox"
 
     def __init__(
         self,
@@ -94,14 +97,12 @@ class OutboxPump:
         queue: str,
         interval: float,
     ) -> None:
+        super().__init__(interval=interval)
         self.session_factory = session_factory
         self.celery = celery
         self.queue = queue
-        self.interval = interval
         # One pass at a time per process: a concurrent pass would only send duplicates.
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def dispatch(self) -> int:
         with self._lock:
@@ -114,28 +115,8 @@ class OutboxPump:
                 log.warning("outbox pass failed (%s); retrying in %.1f s", err, self.interval)
                 return 0
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="trainctl-outbox", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def _loop(self) -> None:
-        # The first pass runs at once: rows left by a previous process go out on startup.
-        while True:
-            try:
-                self.dispatch()
-            except Exception:
-                # Same reasoning as the reaper: the outbox is only safe while its pass keeps
-                # running; a broker error kombu does not wrap must not end the thread.
-                log.exception("outbox pass failed; retrying in %.1f s", self.interval)
-            if self._stop.wait(self.interval):
-                return
+    def run_once(self) -> int:
+        return self.dispatch()
 
     def close(self) -> None:
         self.stop()

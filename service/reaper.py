@@ -10,7 +10,6 @@ replica won, or the worker's report renewed the lease in time) does nothing.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from datetime import datetime
 
@@ -20,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.attempt import expire_attempt, settle_attempt
 from service.models import Attempt, Run, utcnow
+from service.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,11 @@ def reap_expired(
     return reaped
 
 
-class Reaper:
+class Reaper(Periodic):
     """Runs `reap_expired` every `interval` seconds in a thread, then `dispatch` when it
     queued new attempts."""
+
+    name = "reaper"
 
     def __init__(
         self,
@@ -75,11 +77,9 @@ class Reaper:
         dispatch: Callable[[], object],
         interval: float,
     ) -> None:
+        super().__init__(interval=interval)
         self.session_factory = session_factory
         self.dispatch = dispatch
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def reap(self, now: datetime | None = None) -> list[str]:
         """One pass at `now` (default: the current time), then dispatch what it queued."""
@@ -93,29 +93,8 @@ class Reaper:
             self.dispatch()
         return reaped
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="trainctl-reaper", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def _loop(self) -> None:
-        # The first pass runs at once: leases that expired while no service ran are reaped on
-        # startup.
-        while True:
-            try:
-                self.reap()
-            except Exception:
-                # A pass that fails for any reason must not end the thread: without it, lost
-                # workers' runs would stay "running" forever. The next pass tries again.
-                log.exception("reaper pass failed; retrying in %.1f s", self.interval)
-            if self._stop.wait(self.interval):
-                return
+    def run_once(self) -> list[str]:
+        return self.reap()
 
     def __repr__(self) -> str:
         return f"Reaper(interval={self.interval})"
