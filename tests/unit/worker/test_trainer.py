@@ -34,6 +34,11 @@ def run(claim: Claim, workflow: Workflow, reporter: Any, **kwargs: Any) -> Phase
     return train_phase(claim=claim, workflow=workflow, reporter=reporter, device=CPU, **kwargs)
 
 
+def pretrain_phase(data: Path, *, steps: int) -> dict[str, Any]:
+    """One continued-pretraining phase over `data`, the geometry from make_workflow."""
+    return {"name": "pretrain", "objective": "continued_pretrain", "data": [data], "steps": steps}
+
+
 def weights(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(Path(path) / MODEL_WEIGHTS)
 
@@ -249,14 +254,7 @@ def test_initial_checkpoint_supplies_the_starting_weights(
 ) -> None:
     held_out = make_text_file("held.jsonl", seed=9, documents=10)
     workflow = make_workflow(
-        [
-            {
-                "name": "pretrain",
-                "objective": "continued_pretrain",
-                "data": [make_text_file()],
-                "steps": 5,
-            }
-        ],
+        [pretrain_phase(make_text_file(), steps=5)],
         evals=[{"task": "continued_pretrain", "data": held_out}],
     )
     first_reporter = make_reporter()
@@ -281,14 +279,7 @@ def test_a_stop_answer_stops_without_putting_a_save_in_flight_in_place(
     make_text_file: Callable[..., Path],
 ) -> None:
     workflow = make_workflow(
-        [
-            {
-                "name": "pretrain",
-                "objective": "continued_pretrain",
-                "data": [make_text_file()],
-                "steps": 10,
-            }
-        ],
+        [pretrain_phase(make_text_file(), steps=10)],
         checkpoint={"every_steps": 2, "keep_last": 2},
     )
     reporter = make_reporter(stop_at=3)
@@ -374,14 +365,7 @@ def test_preemption_checkpoints_at_once(
     make_text_file: Callable[..., Path],
 ) -> None:
     workflow = make_workflow(
-        [
-            {
-                "name": "pretrain",
-                "objective": "continued_pretrain",
-                "data": [make_text_file()],
-                "steps": 10,
-            }
-        ],
+        [pretrain_phase(make_text_file(), steps=10)],
         checkpoint={"every_steps": 100, "keep_last": 2},
     )
     reporter = make_reporter()
@@ -403,14 +387,7 @@ def test_a_non_finite_loss_fails_with_cause_nan(
     make_text_file: Callable[..., Path],
 ) -> None:
     workflow = make_workflow(
-        [
-            {
-                "name": "pretrain",
-                "objective": "continued_pretrain",
-                "data": [make_text_file()],
-                "steps": 5,
-            }
-        ],
+        [pretrain_phase(make_text_file(), steps=5)],
         optimizer={"adamw_lr": 1e30, "muon_lr": 1e30},
     )
     reporter = make_reporter()
@@ -429,14 +406,7 @@ def test_a_checkpoint_of_another_run_is_refused(
     make_text_file: Callable[..., Path],
 ) -> None:
     workflow = make_workflow(
-        [
-            {
-                "name": "pretrain",
-                "objective": "continued_pretrain",
-                "data": [make_text_file()],
-                "steps": 4,
-            }
-        ],
+        [pretrain_phase(make_text_file(), steps=4)],
         checkpoint={"every_steps": 2, "keep_last": 2},
     )
     reporter = make_reporter()
