@@ -11,17 +11,22 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from cli.client import ApiClient, ApiError
+from cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    JsonOpt,
+    call,
+    console,
+    err_console,
+    load_workflow,
+)
 from cli.config import get_settings
+from cli.tools import data_app, eval_checkpoint, plan_table
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEMO_WORKFLOW = EXAMPLES / "workflows" / "demo.json"
-
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_API = 1, 2, 3
 
 app = typer.Typer(help="Run and watch multi-phase LLM training workflows.", no_args_is_help=True)
 runs_app = typer.Typer(help="Create, list and inspect runs.", no_args_is_help=True)
@@ -30,54 +35,13 @@ workflow_app = typer.Typer(help="Check workflow documents.", no_args_is_help=Tru
 app.add_typer(runs_app, name="runs")
 app.add_typer(tokens_app, name="tokens")
 app.add_typer(workflow_app, name="workflow")
-
-console = Console()
-err_console = Console(stderr=True)
+app.add_typer(data_app, name="data")
+app.command("eval")(eval_checkpoint)
 
 
 class Role(StrEnum):
     admin = "admin"
     worker = "worker"
-
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
-
-
-def client() -> ApiClient:
-    settings = get_settings()
-    return ApiClient(settings.api_url, settings.resolved_token())
-
-
-def fail(message: str, code: int) -> typer.Exit:
-    # Escaped: messages quote user input and codes in brackets, which are not markup.
-    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
-    return typer.Exit(code)
-
-
-def call(method: str, path: str, **kwargs: Any) -> Any:
-    try:
-        with client() as api:
-            return api.request(method, path, **kwargs)
-    except ApiError as err:
-        detail = f"\n{json.dumps(err.details, indent=2)}" if err.details else ""
-        raise fail(f"{err.message} [{err.code}]{detail}", EXIT_API) from err
-
-
-def load_workflow(path: Path) -> dict[str, Any]:
-    """Read a workflow file, with relative paths resolved against the file's own folder."""
-    from contracts.workflow import resolve_paths
-
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise fail(f"workflow file {path} not found", EXIT_BAD_INPUT) from err
-    except json.JSONDecodeError as err:
-        raise fail(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}", 2) from err
-    except (OSError, UnicodeDecodeError) as err:
-        raise fail(f"workflow file {path} cannot be read: {err}", EXIT_BAD_INPUT) from err
-    if not isinstance(doc, dict):
-        raise fail(f"{path}: a workflow must be a JSON object", EXIT_BAD_INPUT)
-    return resolve_paths(doc, path.resolve().parent)
 
 
 # --- launchers ----------------------------------------------------------------------------
@@ -205,22 +169,7 @@ def workflow_validate(
     if as_json:
         print(result.model_dump_json(indent=2))
         return
-    table = Table(
-        title=f"{path.name}: {result.total_steps} steps, {result.compute_tokens:,} tokens"
-    )
-    table.add_column("phase", no_wrap=True)
-    table.add_column("objective", no_wrap=True)
-    for column in ("steps", "tokens", "share"):
-        table.add_column(column, justify="right", no_wrap=True)
-    for p in result.phases:
-        table.add_row(
-            p.name,
-            p.objective,
-            f"{p.first_step}-{p.last_step}",
-            f"{p.compute_tokens:,}",
-            f"{p.token_share:.1%}",
-        )
-    console.print(table)
+    console.print(plan_table(path.name, result))
 
 
 # --- runs ---------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 RUN_PHASE_TASK = "trainctl.run_phase"
+# Jobs (contracts.jobs): args (job_id, request as a JSON-able dict).
+INSPECT_DATASET_TASK = "trainctl.inspect_dataset"
+EVALUATE_CHECKPOINT_TASK = "trainctl.evaluate_checkpoint"
 DEFAULT_QUEUE = "trainctl"
 
 # kombu's filesystem transport polls its folder; 0.1 s keeps a dispatch near 50 ms.

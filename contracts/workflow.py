@@ -66,12 +66,40 @@ class EvalSpec(_Strict):
     task: Objective
     data: str
     every_steps: PositiveInt = 100
+    # One geometry for the whole run, so that every point of a task's history is comparable:
+    # by default the longest sequence_length of the workflow (phases and their sources).
+    sequence_length: PositiveInt | None = None
+    # Rows per forward pass; the number does not depend on it (only memory and speed do).
+    batch_size: PositiveInt = 8
 
 
 class DataSource(_Strict):
+    """One source of a phase's mixture. `objective`, `sequence_length` and `microbatch_size`
+    default to the phase's: a replay source of pretraining text inside a supervised phase sets
+    `objective: continued_pretrain` and the pretraining stage's geometry, which must fill the
+    same token envelope (`sequence_length x microbatch_size = microbatch_tokens`)."""
+
     path: str
-    # A share of *tokens*, relative to the phase's other sources.
+    # A share of *tokens* (of the phase's envelope tokens), relative to the other sources.
     weight: float = Field(1.0, gt=0)
+    # Names the source's metrics (`loss/<name>`); by default the file name without suffixes.
+    name: (
+        Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] | None
+    ) = None
+    objective: Objective | None = None
+    sequence_length: PositiveInt | None = None
+    microbatch_size: PositiveInt | None = None
+
+
+class InspectionGate(_Strict):
+    """Limits a phase's data must meet before its first step (checked by the worker with the
+    same encoder as training; see docs/data.md). Refused records and records with no target
+    tokens always stop training; these limits add what is allowed of the rest."""
+
+    # Share of records whose elastic segments had to be trimmed or dropped to fit.
+    max_trimmed_share: float = Field(1.0, ge=0, le=1)
+    # Share of records that repeat an earlier record exactly.
+    max_duplicate_share: float = Field(1.0, ge=0, le=1)
 
 
 class Schedule(_Strict):
@@ -95,6 +123,25 @@ class Phase(_Strict):
     schedule: Schedule = Schedule()
     # Multiplies both optimizers' learning rates for this phase.
     lr_scale: float = Field(1.0, gt=0)
+    # When set, the phase does not start unless inspecting its data meets these limits.
+    inspection: InspectionGate | None = None
+
+    def sources(self) -> list[SourceGeometry]:
+        """Each data source with its defaults resolved from the phase."""
+        out = []
+        for source in self.data:
+            name = source.name or _stem(source.path)
+            out.append(
+                SourceGeometry(
+                    name=name,
+                    path=source.path,
+                    weight=source.weight,
+                    objective=source.objective or self.objective,
+                    sequence_length=source.sequence_length or self.sequence_length,
+                    microbatch_size=source.microbatch_size or self.microbatch_size,
+                )
+            )
+        return out
 
     @property
     def microbatch_tokens(self) -> int:
@@ -103,6 +150,21 @@ class Phase(_Strict):
     @property
     def tokens_per_step(self) -> int:
         return self.microbatch_tokens * self.grad_accum
+
+
+def _stem(path: str) -> str:
+    """`/data/pretrain.train.jsonl.zst` -> `pretrain`: a source's default name."""
+    name = Path(path).name.split(".", 1)[0]
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:64] or "data"
+
+
+class SourceGeometry(BaseModel):
+    name: str
+    path: str
+    weight: float
+    objective: Objective
+    sequence_length: int
+    microbatch_size: int
 
 
 class Workflow(_Strict):
@@ -128,6 +190,12 @@ class Workflow(_Strict):
             offsets.append(total)
             total += phase.steps
         return offsets
+
+    def eval_sequence_length(self, spec: EvalSpec) -> int:
+        """The sequence_length an eval task is computed at, the same at every step."""
+        if spec.sequence_length is not None:
+            return spec.sequence_length
+        return max(s.sequence_length for p in self.phases for s in p.sources())
 
     def normalized(self) -> dict[str, Any]:
         """Canonical JSON-able form: defaults filled in, used for storage and the signature."""
@@ -314,10 +382,54 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
                 )
         raw_data = raw.get("data")
         data = raw_data if isinstance(raw_data, list) else []
+        names: dict[str, int] = {}
         for j, source in enumerate(data):
-            path = source.get("path") if isinstance(source, dict) else None
+            if not isinstance(source, dict):
+                continue
+            where = f"phases[{i}].data[{j}]"
+            path = source.get("path")
             if check_files and isinstance(path, str) and (why := _data_file_problem(path)):
-                add(Problem(path=f"phases[{i}].data[{j}].path", message=why))
+                add(Problem(path=f"{where}.path", message=why))
+            name = source.get("name") or (_stem(path) if isinstance(path, str) else None)
+            if isinstance(name, str):
+                if name in names:
+                    add(
+                        Problem(
+                            path=f"{where}.name",
+                            message=(
+                                f"duplicate source name {name!r} (also data[{names[name]}]); "
+                                'give each source a distinct "name"'
+                            ),
+                        )
+                    )
+                names.setdefault(name, j)
+            if "sequence_length" not in source and "microbatch_size" not in source:
+                continue  # the phase's geometry, checked above
+            s_seq = source.get("sequence_length", seq)
+            s_mbs = source.get("microbatch_size", mbs)
+            if (
+                envelope
+                and isinstance(s_seq, int)
+                and isinstance(s_mbs, int)
+                and s_seq * s_mbs != envelope
+            ):
+                add(
+                    Problem(
+                        path=where,
+                        message=(
+                            f"sequence_length {s_seq} x microbatch_size {s_mbs} = "
+                            f"{s_seq * s_mbs} tokens, but microbatch_tokens is {envelope}"
+                        ),
+                    )
+                )
+            if isinstance(max_positions, int) and isinstance(s_seq, int) and s_seq > max_positions:
+                add(
+                    Problem(
+                        path=f"{where}.sequence_length",
+                        message=f"{s_seq} exceeds the model's max_position_embeddings "
+                        f"{max_positions}",
+                    )
+                )
 
     raw_evals = doc.get("evals")
     evals = raw_evals if isinstance(raw_evals, list) else []
@@ -325,6 +437,14 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
         path = ev.get("data") if isinstance(ev, dict) else None
         if check_files and isinstance(path, str) and (why := _data_file_problem(path)):
             add(Problem(path=f"evals[{k}].data", message=why))
+        e_seq = ev.get("sequence_length") if isinstance(ev, dict) else None
+        if isinstance(max_positions, int) and isinstance(e_seq, int) and e_seq > max_positions:
+            add(
+                Problem(
+                    path=f"evals[{k}].sequence_length",
+                    message=f"{e_seq} exceeds the model's max_position_embeddings {max_positions}",
+                )
+            )
     return problems
 
 
@@ -351,9 +471,15 @@ def validate_workflow(doc: Any, *, check_files: bool = True) -> Workflow:
 
 
 class SourcePlan(BaseModel):
+    name: str
     path: str
+    objective: Objective
+    sequence_length: int
+    microbatch_size: int
     weight: float
+    # The planned share of the phase's envelope tokens; the realised share is a metric.
     token_share: float
+    compute_tokens: int
 
 
 class PhasePlan(BaseModel):
@@ -365,23 +491,42 @@ class PhasePlan(BaseModel):
     tokens_per_step: int
     compute_tokens: int
     token_share: float
+    # Share of this phase's tokens from pretraining text replayed in a supervised phase.
+    replay_token_share: float
     sources: list[SourcePlan]
 
 
 class Plan(BaseModel):
     total_steps: int
     compute_tokens: int
+    # Share of the supervised phases' tokens that is replayed pretraining text.
+    replay_token_share: float
     phases: list[PhasePlan]
 
 
 def plan(workflow: Workflow) -> Plan:
     """Totals per phase. `compute_tokens` counts envelope tokens (what the GPU processes);
-    `token_share` is each phase's fraction of the run's compute tokens."""
+    `token_share` is each phase's fraction of the run's compute tokens, and each source's
+    fraction of its phase's."""
     total_tokens = sum(p.steps * p.tokens_per_step for p in workflow.phases)
     phases = []
+    supervised_tokens = replayed_tokens = 0.0
     for phase, offset in zip(workflow.phases, workflow.phase_offsets(), strict=True):
         tokens = phase.steps * phase.tokens_per_step
         weights = sum(s.weight for s in phase.data)
+        sources = [
+            SourcePlan(
+                **s.model_dump(),
+                token_share=s.weight / weights,
+                compute_tokens=round(tokens * s.weight / weights),
+            )
+            for s in phase.sources()
+        ]
+        replay = 0.0
+        if phase.objective != "continued_pretrain":
+            replay = sum(s.token_share for s in sources if s.objective == "continued_pretrain")
+            supervised_tokens += tokens
+            replayed_tokens += tokens * replay
         phases.append(
             PhasePlan(
                 name=phase.name,
@@ -392,15 +537,14 @@ def plan(workflow: Workflow) -> Plan:
                 tokens_per_step=phase.tokens_per_step,
                 compute_tokens=tokens,
                 token_share=tokens / total_tokens,
-                sources=[
-                    SourcePlan(path=s.path, weight=s.weight, token_share=s.weight / weights)
-                    for s in phase.data
-                ],
+                replay_token_share=replay,
+                sources=sources,
             )
         )
     return Plan(
         total_steps=sum(p.steps for p in workflow.phases),
         compute_tokens=total_tokens,
+        replay_token_share=replayed_tokens / supervised_tokens if supervised_tokens else 0.0,
         phases=phases,
     )
 

@@ -1,31 +1,41 @@
-"""Tokenization and batching.
+"""A phase's training data: sources, mixture and batches.
 
-The batch of a step is a pure function of (seed, phase_index, step, microbatch) over the
-tokenized data: no loader state exists, so resuming at step s needs nothing but s.
+The batch of a step is a pure function of (seed, phase_index, step, microbatch) over the encoded
+data: no loader state exists, so resuming at step s needs nothing but s.
 
-Pretraining text becomes one flat array of EOS-joined documents, sampled as windows of
-`sequence_length + 1` tokens. Supervised records become source + target + EOS, with loss on the
-target and the EOS only, one record per row padded to `sequence_length`. A supervised phase may
-replay pretraining text: a `{"text"}` (or plain text) source among its data is sampled as
-windows, like pretraining, with its mixture weight.
+Every microbatch fills the workflow's token envelope exactly: `sequence_length x
+microbatch_size` of the source it comes from (a replay source has its own geometry).
+
+- Pretraining text (objective `continued_pretrain`) is one flat array of EOS-joined documents
+  cut into windows of `sequence_length + 1` tokens; a seeded permutation per epoch orders the
+  windows. Documents within a window attend to each other, as in pretraining.
+- Supervised records are packed: each record is a block of len(ids) - 1 positions, blocks are
+  laid into rows greedily in a seeded order per epoch, and the rest of a row is padding. A 4-D
+  block-diagonal causal mask keeps a record from attending to any other, and position ids
+  restart at every record, so a packed record computes what it would alone.
+- Sources are interleaved by microbatch in proportion to their weights (shares of envelope
+  tokens) by a fixed low-discrepancy sequence, so the realised share follows the plan closely.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from contracts.workflow import Phase
+from contracts.jobs import InspectionReport
+from contracts.workflow import Phase, SourceGeometry
+from worker.encode import Encoded, encode_records
 from worker.error import DataError
 from worker.model import special_token_ids
+from worker.records import Record, read_records
 
 IGNORE_INDEX = -100  # label of a position that is not a target (torch's cross_entropy default)
-_JSON_SUFFIXES = (".jsonl", ".json")
+_GOLDEN = (math.sqrt(5) - 1) / 2
 
 
 @dataclass(frozen=True)
@@ -34,156 +44,36 @@ class Batch:
     labels: torch.Tensor  # [rows, length] int64; IGNORE_INDEX where nothing is predicted
     # Counted on the host when the batch is built, so the loss never waits on the device.
     target_tokens: int
+    # Packed records: [rows, 1, length, length] bool (True: may attend) and [rows, length].
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    source: int = 0  # index of the phase source it came from
 
     def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
         return Batch(
             input_ids=self.input_ids.to(device, non_blocking=True),
             labels=self.labels.to(device, non_blocking=True),
             target_tokens=self.target_tokens,
+            attention_mask=move(self.attention_mask),
+            position_ids=move(self.position_ids),
+            source=self.source,
         )
 
 
-@dataclass(frozen=True)
-class EncodedRecord:
-    ids: np.ndarray  # source tokens + target tokens + EOS, int32
-    source_len: int
-
-    @property
-    def target_len(self) -> int:
-        """Target tokens including the closing EOS."""
-        return len(self.ids) - self.source_len
+# --- rows -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TextSource:
-    path: str
-    tokens: np.ndarray  # every document, EOS-joined, int32
-
-
-@dataclass(frozen=True)
-class RecordSource:
-    path: str
-    records: list[EncodedRecord]
-
-
-@dataclass(frozen=True)
-class PhaseData:
-    sequence_length: int
-    microbatch_size: int
-    pad_id: int
-    sources: list[TextSource | RecordSource]
-    probabilities: np.ndarray  # per source: its share of the phase's tokens
-
-
-# --- reading --------------------------------------------------------------------------------
-
-
-def _lines(path: str) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line) of every non-blank line."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if line.strip():
-                    yield number, line.rstrip("\n")
-    except FileNotFoundError as err:
-        raise DataError(f"{path}: file not found") from err
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
-    except OSError as err:  # unreadable, a directory: retrying will not help
-        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from err
-
-
-def _json_fields(path: str, number: int, line: str, fields: Sequence[str]) -> list[str]:
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DataError(
-            f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})"
-        ) from err
-    expected = "{" + ", ".join(f'"{f}"' for f in fields) + "}"
-    if not isinstance(value, dict):
-        raise DataError(f"{path}:{number}: expected a JSON object {expected}")
-    out = []
-    for field in fields:
-        if field not in value:
-            raise DataError(f"{path}:{number}: missing field {field!r} (records are {expected})")
-        if not isinstance(value[field], str):
-            raise DataError(
-                f"{path}:{number}: field {field!r} must be a string, "
-                f"not {type(value[field]).__name__}"
-            )
-        out.append(value[field])
-    return out
-
-
-def read_texts(path: str) -> list[str]:
-    """Pretraining documents: `{"text"}` JSONL (.jsonl/.json) or plain text, one per line."""
-    if path.endswith(_JSON_SUFFIXES):
-        return [_json_fields(path, n, line, ["text"])[0] for n, line in _lines(path)]
-    return [line for _, line in _lines(path)]
-
-
-def is_text_file(path: str) -> bool:
-    """Whether a file holds text (plain, or `{"text"}` JSONL) rather than supervised records;
-    told by its first record."""
-    if not path.endswith(_JSON_SUFFIXES):
-        return True
-    for number, line in _lines(path):
-        try:
-            first = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from err
-        return isinstance(first, dict) and "text" in first and "source" not in first
-    return False
-
-
-def read_pairs(path: str) -> list[tuple[int, str, str]]:
-    """Supervised records `{"source", "target"}`: (line number, source, target)."""
-    pairs = []
-    for number, line in _lines(path):
-        source, target = _json_fields(path, number, line, ["source", "target"])
-        pairs.append((number, source, target))
-    return pairs
-
-
-# --- encoding -------------------------------------------------------------------------------
-
-
-def encode_records(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]]) -> list[EncodedRecord]:
-    """The one encoder of supervised records, for training and evaluation alike:
-    source tokens + target tokens + EOS, no other special tokens."""
-    eos_id, _ = special_token_ids(tokenizer)
-    sources = tokenizer.encode_batch([s for s, _ in pairs], add_special_tokens=False)
-    targets = tokenizer.encode_batch([t for _, t in pairs], add_special_tokens=False)
-    records = []
-    for source, target in zip(sources, targets, strict=True):
-        ids = np.array([*source.ids, *target.ids, eos_id], dtype=np.int32)
-        records.append(EncodedRecord(ids=ids, source_len=len(source.ids)))
-    return records
-
-
-def encode_record(tokenizer: Tokenizer, source: str, target: str) -> EncodedRecord:
-    return encode_records(tokenizer, [(source, target)])[0]
-
-
-def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> np.ndarray:
-    """Documents tokenized and joined into one flat array, each followed by EOS."""
-    eos_id, _ = special_token_ids(tokenizer)
-    parts = []
-    for encoding in tokenizer.encode_batch(list(texts), add_special_tokens=False):
-        parts.append(np.array([*encoding.ids, eos_id], dtype=np.int32))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-
-
-def record_row(record: EncodedRecord, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def record_row(encoded: Encoded, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) of one record padded to `length` (>= len(ids) - 1): position t
-    predicts ids[t + 1], a target only when ids[t + 1] belongs to the target or is the EOS."""
-    n = len(record.ids) - 1
+    predicts ids[t + 1], a target where the loss mask says so."""
+    n = len(encoded.ids) - 1
     inputs = np.full(length, pad_id, dtype=np.int64)
     labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
-    inputs[:n] = record.ids[:-1]
-    labels[:n] = record.ids[1:]
-    labels[: max(record.source_len - 1, 0)] = IGNORE_INDEX
+    inputs[:n] = encoded.ids[:-1]
+    labels[:n] = np.where(encoded.loss_mask[1:], encoded.ids[1:], IGNORE_INDEX)
     return inputs, labels
 
 
@@ -197,77 +87,259 @@ def window_row(window: np.ndarray, length: int, pad_id: int) -> tuple[np.ndarray
     return inputs, labels
 
 
-def stack_rows(rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> Batch:
+def stack_rows(rows: Sequence[tuple[np.ndarray, np.ndarray]], *, source: int = 0) -> Batch:
     inputs = np.stack([r[0] for r in rows])
     labels = np.stack([r[1] for r in rows])
     return Batch(
         input_ids=torch.from_numpy(inputs),
         labels=torch.from_numpy(labels),
         target_tokens=int((labels != IGNORE_INDEX).sum()),
+        source=source,
     )
 
 
-# --- a phase's training data ----------------------------------------------------------------
+def packed_rows(
+    rows: Sequence[Sequence[Encoded]], length: int, pad_id: int, *, source: int = 0
+) -> Batch:
+    """Rows of packed records with their block-diagonal causal mask and per-record positions.
+    Each padding position is a block of its own (it attends to itself only)."""
+    n = len(rows)
+    inputs = np.full((n, length), pad_id, dtype=np.int64)
+    labels = np.full((n, length), IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros((n, length), dtype=np.int64)
+    blocks = np.tile(-1 - np.arange(length), (n, 1))  # padding: distinct negative ids
+    for r, records in enumerate(rows):
+        at = 0
+        for b, encoded in enumerate(records):
+            inputs_, labels_ = record_row(encoded, len(encoded.ids) - 1, pad_id)
+            k = len(inputs_)
+            inputs[r, at : at + k] = inputs_
+            labels[r, at : at + k] = labels_
+            positions[r, at : at + k] = np.arange(k)
+            blocks[r, at : at + k] = b
+            at += k
+    block = torch.from_numpy(blocks)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = (block[:, :, None] == block[:, None, :]) & causal
+    return Batch(
+        input_ids=torch.from_numpy(inputs),
+        labels=torch.from_numpy(labels),
+        target_tokens=int((labels != IGNORE_INDEX).sum()),
+        attention_mask=mask[:, None],
+        position_ids=torch.from_numpy(positions),
+        source=source,
+    )
+
+
+# --- sources --------------------------------------------------------------------------------
+
+
+@dataclass
+class TextSource:
+    geometry: SourceGeometry
+    tokens: np.ndarray  # every document, EOS-joined, int32
+    # The window order of the epoch last used: (epoch, permutation).
+    _order: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def windows(self) -> int:
+        return (len(self.tokens) - 1) // self.geometry.sequence_length
+
+    def window(self, g: int, *, seed: int, phase_index: int, index: int) -> np.ndarray:
+        """Window g of the source's endless stream: epoch g // windows, in a seeded order."""
+        n, seq = self.windows, self.geometry.sequence_length
+        epoch = g // n
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, _epoch_rng(seed, phase_index, index, epoch).permutation(n))
+        k = int(self._order[1][g % n])
+        return self.tokens[k * seq : k * seq + seq + 1]
+
+
+@dataclass
+class RecordSource:
+    geometry: SourceGeometry
+    records: list[Encoded]
+    # Packed rows of each epoch (lists of record indices), built on first use: deterministic.
+    _epochs: list[list[list[int]]] = field(default_factory=list, repr=False)
+
+
+@dataclass(frozen=True)
+class PhaseData:
+    sources: list[TextSource | RecordSource]
+    pad_id: int
+    # Source of each of the phase's microbatches, in order, and how many earlier microbatches
+    # of the phase came from the same source (its microbatch index within the source).
+    schedule: np.ndarray
+    ordinal: np.ndarray
+    grad_accum: int
+    reports: list[InspectionReport] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [s.geometry.name for s in self.sources]
+
+
+def mixture_schedule(weights: Sequence[float], count: int) -> np.ndarray:
+    """Source index of each of `count` microbatches: source i takes a share weight_i / sum of
+    them, interleaved evenly (the golden-ratio sequence over the cumulative shares). Fixed by
+    the weights alone, so (step, micro) determines the source."""
+    shares = np.asarray(weights, dtype=np.float64)
+    edges = np.cumsum(shares / shares.sum())
+    u = (np.arange(count, dtype=np.float64) * _GOLDEN) % 1.0
+    return np.minimum(np.searchsorted(edges, u, side="right"), len(shares) - 1).astype(np.int32)
+
+
+def _ordinals(schedule: np.ndarray, sources: int) -> np.ndarray:
+    out = np.zeros(len(schedule), dtype=np.int64)
+    for s in range(sources):
+        where = schedule == s
+        out[where] = np.arange(int(where.sum()))
+    return out
 
 
 def load_phase_data(phase: Phase, tokenizer: Tokenizer) -> PhaseData:
-    """Read and encode every source of `phase`. A supervised record that does not fit
-    `sequence_length` is refused here, before the first step, never truncated."""
+    """Read and encode every source of `phase`. A supervised record that cannot be encoded
+    within its source's sequence_length, or that has no target tokens, is refused here, before
+    the first step, with its file, line and lengths; nothing is truncated."""
+    from worker.inspect import summarize
+
     _, pad_id = special_token_ids(tokenizer)
-    seq = phase.sequence_length
     sources: list[TextSource | RecordSource] = []
-    for spec in phase.data:
-        if phase.objective == "continued_pretrain" or is_text_file(spec.path):
-            tokens = encode_texts(tokenizer, read_texts(spec.path))
+    reports = []
+    for geometry in phase.sources():
+        records = read_records(geometry.path)
+        if not records:
+            raise DataError(f"{geometry.path}: no records (phase {phase.name!r})")
+        seq = geometry.sequence_length
+        if geometry.objective == "continued_pretrain":
+            _require_kind(records, "text", geometry, phase)
+            encoded = encode_records(tokenizer, records, sequence_length=None)
+            tokens = np.concatenate([e.ids for e in encoded])
             if len(tokens) < seq + 1:
                 raise DataError(
-                    f"{spec.path}: {len(tokens)} tokens in all, fewer than one window of "
+                    f"{geometry.path}: {len(tokens)} tokens in all, fewer than one window of "
                     f"sequence_length + 1 = {seq + 1} (phase {phase.name!r})"
                 )
-            sources.append(TextSource(path=spec.path, tokens=tokens))
+            sources.append(TextSource(geometry=geometry, tokens=tokens))
         else:
-            records = _encode_training_records(spec.path, tokenizer, phase)
-            sources.append(RecordSource(path=spec.path, records=records))
-    weights = np.array([s.weight for s in phase.data], dtype=np.float64)
+            _require_kind(records, "supervised", geometry, phase)
+            encoded = encode_records(tokenizer, records, sequence_length=seq)
+            _refuse_unusable(records, encoded, geometry, phase)
+            sources.append(RecordSource(geometry=geometry, records=encoded))
+        if phase.inspection is not None:
+            report = summarize(records, encoded, objective=geometry.objective, sequence_length=seq)
+            if failures := report.gate_failures(phase.inspection):
+                raise DataError(
+                    f"{geometry.path}: inspection required by phase {phase.name!r} failed: "
+                    + "; ".join(failures)
+                )
+            reports.append(report)
+    count = phase.steps * phase.grad_accum
+    schedule = mixture_schedule([g.weight for g in phase.sources()], count)
     return PhaseData(
-        sequence_length=seq,
-        microbatch_size=phase.microbatch_size,
-        pad_id=pad_id,
         sources=sources,
-        probabilities=weights / weights.sum(),
+        pad_id=pad_id,
+        schedule=schedule,
+        ordinal=_ordinals(schedule, len(sources)),
+        grad_accum=phase.grad_accum,
+        reports=reports,
     )
 
 
-def _encode_training_records(path: str, tokenizer: Tokenizer, phase: Phase) -> list[EncodedRecord]:
-    pairs = read_pairs(path)
-    if not pairs:
-        raise DataError(f"{path}: no records (phase {phase.name!r})")
-    records = encode_records(tokenizer, [(s, t) for _, s, t in pairs])
-    limit = phase.sequence_length + 1
-    oversized = [(pair[0], r) for pair, r in zip(pairs, records, strict=True) if len(r.ids) > limit]
-    if oversized:
-        line, record = oversized[0]
-        more = f" ({len(oversized) - 1} more records of {len(records)} do not fit either)"
-        raise DataError(
-            f"{path}:{line}: record encodes to {len(record.ids)} tokens (source "
-            f"{record.source_len} + target and EOS {record.target_len}), more than "
-            f"sequence_length + 1 = {limit} of phase {phase.name!r}; shorten the record or "
-            f"raise sequence_length" + (more if len(oversized) > 1 else "")
-        )
-    return records
+def _require_kind(records: list[Record], want: str, geometry: SourceGeometry, phase: Phase) -> None:
+    for record in records:
+        if (record.kind == "text") != (want == "text"):
+            if want == "text":
+                raise DataError(
+                    f"{record.path}:{record.line}: a {record.kind} record in source "
+                    f"{geometry.name!r} of phase {phase.name!r}, whose objective is "
+                    'continued_pretrain: it reads {"text"} records or plain text'
+                )
+            raise DataError(
+                f"{record.path}:{record.line}: a text record in source {geometry.name!r} of "
+                f"phase {phase.name!r} ({geometry.objective}), which reads supervised records; "
+                'to replay pretraining text, give this source "objective": "continued_pretrain"'
+            )
+
+
+def _refuse_unusable(
+    records: list[Record], encoded: list[Encoded], geometry: SourceGeometry, phase: Phase
+) -> None:
+    bad = [(r, e) for r, e in zip(records, encoded, strict=True) if not e.usable]
+    if not bad:
+        return
+    record, first = bad[0]
+    more = (
+        f" ({len(bad) - 1} more of {len(records)} records are refused too)" if len(bad) > 1 else ""
+    )
+    hint = (
+        "shorten the record, mark its passages elastic, or raise sequence_length"
+        if not first.report.fits
+        else "remove it or give it a target"
+    )
+    raise DataError(
+        f"{record.path}:{record.line}: {record.kind} record {first.report.reason} "
+        f"(source {geometry.name!r}, sequence_length {geometry.sequence_length}, phase "
+        f"{phase.name!r}); {hint}{more}"
+    )
+
+
+# --- batches --------------------------------------------------------------------------------
+
+
+def _epoch_rng(seed: int, phase_index: int, source: int, epoch: int) -> np.random.Generator:
+    return np.random.default_rng([seed % 2**64, phase_index, source, epoch])
+
+
+def _pack_epoch(source: RecordSource, rng: np.random.Generator) -> list[list[int]]:
+    """Records in a seeded order, laid greedily into rows of sequence_length positions."""
+    seq = source.geometry.sequence_length
+    rows: list[list[int]] = []
+    row: list[int] = []
+    fill = 0
+    for i in rng.permutation(len(source.records)).tolist():
+        size = len(source.records[i].ids) - 1
+        if fill + size > seq:
+            rows.append(row)
+            row, fill = [], 0
+        row.append(i)
+        fill += size
+    rows.append(row)
+    return rows
+
+
+def _record_rows(
+    source: RecordSource, first: int, count: int, *, seed: int, phase_index: int, index: int
+) -> list[list[Encoded]]:
+    """Packed rows first .. first + count - 1 of the source's endless row stream."""
+    out = []
+    epoch, start = 0, 0  # the epoch holding row `first`, and that epoch's first row number
+    for g in range(first, first + count):
+        while True:
+            while len(source._epochs) <= epoch:
+                rng = _epoch_rng(seed, phase_index, index, len(source._epochs))
+                source._epochs.append(_pack_epoch(source, rng))
+            rows = source._epochs[epoch]
+            if g < start + len(rows):
+                break
+            start += len(rows)
+            epoch += 1
+        out.append([source.records[i] for i in rows[g - start]])
+    return out
 
 
 def batch_for_step(data: PhaseData, *, seed: int, phase_index: int, step: int, micro: int) -> Batch:
-    """Microbatch `micro` of global step `step`: a pure function of its arguments and the
-    data. A mixture picks the source of each microbatch with probability equal to its token
-    share (every microbatch of a phase holds the same number of tokens)."""
-    rng = np.random.default_rng([seed % 2**64, phase_index, step, micro])
-    source = data.sources[int(rng.choice(len(data.sources), p=data.probabilities))]
-    seq, rows = data.sequence_length, data.microbatch_size
+    """Microbatch `micro` of phase step `step` (1-based within the phase): a pure function of
+    its arguments and the data."""
+    m = (step - 1) * data.grad_accum + micro
+    index = int(data.schedule[m])
+    source = data.sources[index]
+    seq, rows = source.geometry.sequence_length, source.geometry.microbatch_size
+    first = int(data.ordinal[m]) * rows
     if isinstance(source, TextSource):
-        offsets = rng.integers(0, len(source.tokens) - seq, size=rows)
-        return stack_rows(
-            [window_row(source.tokens[o : o + seq + 1], seq, data.pad_id) for o in offsets]
-        )
-    picks = rng.integers(0, len(source.records), size=rows)
-    return stack_rows([record_row(source.records[i], seq, data.pad_id) for i in picks])
+        windows = [
+            source.window(g, seed=seed, phase_index=phase_index, index=index)
+            for g in range(first, first + rows)
+        ]
+        return stack_rows([window_row(w, seq, data.pad_id) for w in windows], source=index)
+    packed = _record_rows(source, first, rows, seed=seed, phase_index=phase_index, index=index)
+    return packed_rows(packed, seq, data.pad_id, source=index)

@@ -1,81 +1,98 @@
-"""Per-task evaluation: token-weighted, target-only cross-entropy over a whole eval file."""
+"""Per-task evaluation: token-weighted, target-only cross-entropy over a whole eval file.
+
+Records go through the one encoder (worker.encode) and the loss through the one objective
+(worker.objective), so an eval number is the training loss without gradients. A supervised
+record that does not fit is skipped and counted in `oversized_records`; one without target
+tokens is an error, never a silent zero.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 from transformers import PreTrainedModel
 
+from contracts.jobs import EvaluateRequest
 from contracts.reports import EvalResult
 from contracts.workflow import EvalSpec, perplexity
-from worker.data import (
-    IGNORE_INDEX,
-    encode_records,
-    encode_texts,
-    read_pairs,
-    read_texts,
-    record_row,
-    stack_rows,
-    window_row,
-)
-from worker.error import DataError
-from worker.model import special_token_ids
+from worker.data import IGNORE_INDEX, record_row, stack_rows, window_row
+from worker.encode import encode_records
+from worker.error import ConfigError, DataError
+from worker.model import load_tokenizer, special_token_ids
 from worker.objective import objective_loss
+from worker.records import read_records
 
 
 @dataclass(frozen=True)
-class EvalRows:
+class EvalData:
+    task: str
+    path: str
+    sequence_length: int
     rows: list[tuple[np.ndarray, np.ndarray]]  # (input_ids, labels), each at its own length
     records: int
     oversized_records: int
     pad_id: int
 
 
-def load_eval_rows(tokenizer: Tokenizer, spec: EvalSpec, *, sequence_length: int) -> EvalRows:
-    """Rows of an eval file. Supervised records that do not fit `sequence_length` are skipped
-    and counted (training refuses them instead); held-out text is cut into windows whose
-    targets cover every token after the first exactly once."""
+def load_eval_data(tokenizer: Tokenizer, spec: EvalSpec, *, sequence_length: int) -> EvalData:
+    """The rows of an eval file. Held-out text is cut into windows whose targets cover every
+    token after the first exactly once; supervised records are encoded as in training."""
     _, pad_id = special_token_ids(tokenizer)
-    if spec.task == "continued_pretrain":
-        texts = read_texts(spec.data)
-        tokens = encode_texts(tokenizer, texts)
+    records = read_records(spec.data)
+    text = spec.task == "continued_pretrain"
+    for record in records:
+        if (record.kind == "text") != text:
+            wants = "text" if text else "supervised records"
+            raise DataError(
+                f"{record.path}:{record.line}: a {record.kind} record in the eval data of "
+                f"task {spec.task!r}, which reads {wants}"
+            )
+    encoded = encode_records(tokenizer, records, sequence_length=None if text else sequence_length)
+    if text:
+        tokens = np.concatenate([e.ids for e in encoded]) if encoded else np.zeros(0, np.int32)
         rows = []
         for start in range(0, max(len(tokens) - 1, 0), sequence_length):
             window = tokens[start : start + sequence_length + 1]
             rows.append(window_row(window, len(window) - 1, pad_id))
-        return EvalRows(rows=rows, records=len(texts), oversized_records=0, pad_id=pad_id)
-    pairs = read_pairs(spec.data)
-    records = encode_records(tokenizer, [(s, t) for _, s, t in pairs])
-    fitting = [r for r in records if len(r.ids) <= sequence_length + 1]
-    return EvalRows(
-        rows=[record_row(r, len(r.ids) - 1, pad_id) for r in fitting],
+        return EvalData(spec.task, spec.data, sequence_length, rows, len(records), 0, pad_id)
+    for record, enc in zip(records, encoded, strict=True):
+        if enc.report.zero_target:
+            raise DataError(
+                f"{record.path}:{record.line}: eval record of task {spec.task!r} has "
+                f"{enc.report.reason}"
+            )
+    fitting = [e for e in encoded if e.report.fits]
+    return EvalData(
+        task=spec.task,
+        path=spec.data,
+        sequence_length=sequence_length,
+        rows=[record_row(e, len(e.ids) - 1, pad_id) for e in fitting],
         records=len(fitting),
-        oversized_records=len(records) - len(fitting),
+        oversized_records=len(encoded) - len(fitting),
         pad_id=pad_id,
     )
 
 
 def evaluate_task(
     model: PreTrainedModel,
-    tokenizer: Tokenizer,
-    eval_spec: EvalSpec,
+    data: EvalData,
     *,
-    sequence_length: int,
     batch_size: int,
     step: int,
     phase: str,
 ) -> EvalResult:
     """Cross-entropy = total target NLL / total target tokens over the whole file (not a mean
-    of batch means), computed by the training objective without gradients."""
-    data = load_eval_rows(tokenizer, eval_spec, sequence_length=sequence_length)
+    of batch means), computed by the training objective without gradients. Rows are padded to
+    the longest of their batch; padding is never a target, so the batch size changes nothing."""
     if not data.rows:
         raise DataError(
-            f"eval {eval_spec.task!r} ({eval_spec.data}): nothing to evaluate at "
-            f"sequence_length {sequence_length} of phase {phase!r} "
-            f"({data.oversized_records} records too long)"
+            f"eval {data.task!r} ({data.path}): nothing to evaluate at sequence_length "
+            f"{data.sequence_length} ({data.oversized_records} records too long)"
         )
     device = next(model.parameters()).device
     was_training = model.training
@@ -86,7 +103,6 @@ def evaluate_task(
         with torch.no_grad():
             for start in range(0, len(data.rows), batch_size):
                 chunk = data.rows[start : start + batch_size]
-                # Pad to the batch's longest row only; padding is never a target.
                 length = max(len(inputs) for inputs, _ in chunk)
                 batch = stack_rows([_pad(row, length, data.pad_id) for row in chunk])
                 nll, tokens = objective_loss(model, batch.to(device))
@@ -96,7 +112,7 @@ def evaluate_task(
         model.train(was_training)
     cross_entropy = total_nll.item() / total_tokens  # CPU-GPU sync, once per task
     return EvalResult(
-        task=eval_spec.task,
+        task=data.task,
         step=step,
         phase=phase,
         cross_entropy=cross_entropy,
@@ -116,3 +132,32 @@ def _pad(
         np.pad(inputs, (0, extra), constant_values=pad_id),
         np.pad(labels, (0, extra), constant_values=IGNORE_INDEX),
     )
+
+
+def evaluate_checkpoint(
+    request: EvaluateRequest, *, device: torch.device | None = None
+) -> EvalResult:
+    """Evaluate a `save_pretrained` directory (a run's checkpoint, or any local model) outside
+    a run. Its step and phase come from a trainctl checkpoint's state.json when there is one
+    (0 and "" otherwise)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(request.checkpoint)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"checkpoint {directory}: no config.json; expected a save_pretrained directory"
+        )
+    tokenizer = load_tokenizer(request.tokenizer or directory)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"checkpoint {directory} cannot be loaded: {err}") from err
+    model = model.to(device or torch.device("cpu"))  # type: ignore[arg-type]
+    step, phase = 0, ""
+    state = directory / "state.json"
+    if state.is_file():
+        saved = json.loads(state.read_text())
+        step, phase = int(saved.get("step", 0)), str(saved.get("phase_name", ""))
+    spec = EvalSpec(task=request.task, data=request.data)
+    data = load_eval_data(tokenizer, spec, sequence_length=request.sequence_length)
+    return evaluate_task(model, data, batch_size=request.batch_size, step=step, phase=phase)

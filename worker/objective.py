@@ -6,6 +6,7 @@ An eval number is therefore by definition the training loss without gradients.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,12 @@ def objective_loss(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, 
     forward runs under bf16 autocast; the loss itself is always computed in float32."""
     device = batch.input_ids.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits = model(input_ids=batch.input_ids, use_cache=False).logits
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        ).logits
     nll = F.cross_entropy(
         logits.float().flatten(0, 1),
         batch.labels.flatten(),
@@ -29,16 +35,27 @@ def objective_loss(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, 
     return nll, batch.target_tokens
 
 
-def backward_step(model: PreTrainedModel, microbatches: Sequence[Batch]) -> torch.Tensor:
-    """Accumulate the gradients of one optimizer step and return its loss (detached):
-    the NLL of every microbatch over the target tokens of the whole step, so a microbatch
-    weighs by its target tokens (not a mean of microbatch means)."""
+@dataclass(frozen=True)
+class StepLoss:
+    loss: torch.Tensor  # the step's loss (detached): its NLL over its target tokens
+    # Per source index present in the step: (summed NLL, target tokens), for per-source metrics.
+    by_source: dict[int, tuple[torch.Tensor, int]]
+
+
+def backward_step(model: PreTrainedModel, microbatches: Sequence[Batch]) -> StepLoss:
+    """Accumulate the gradients of one optimizer step and return its loss: the NLL of every
+    microbatch over the target tokens of the whole step, so a microbatch weighs by its target
+    tokens (not a mean of microbatch means)."""
     total = sum(b.target_tokens for b in microbatches)
     if total == 0:
         raise ValueError("a training step without target tokens")
     loss = torch.zeros((), device=microbatches[0].input_ids.device)
+    by_source: dict[int, tuple[torch.Tensor, int]] = {}
     for batch in microbatches:
-        nll, _ = objective_loss(model, batch)
+        nll, tokens = objective_loss(model, batch)
         (nll / total).backward()
-        loss += nll.detach()
-    return loss / total
+        nll = nll.detach()
+        loss += nll
+        before, count = by_source.get(batch.source, (torch.zeros_like(nll), 0))
+        by_source[batch.source] = (before + nll, count + tokens)
+    return StepLoss(loss=loss / total, by_source=by_source)

@@ -37,11 +37,11 @@ from worker.checkpoint import (
     remove_stale_temporaries,
 )
 from worker.checkpoint import restore_rng as set_rng_state
-from worker.data import batch_for_step, load_phase_data
+from worker.data import PhaseData, batch_for_step, load_phase_data
 from worker.error import CheckpointError, ConfigError, NonFiniteLoss, SignatureMismatch
-from worker.evaluate import evaluate_task
+from worker.evaluate import evaluate_task, load_eval_data
 from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
-from worker.objective import backward_step
+from worker.objective import StepLoss, backward_step
 from worker.optim import build_optimizers
 from worker.reporter import Reporter
 from worker.schedule import lr_multiplier
@@ -111,6 +111,13 @@ def train_phase(
     configure_determinism(device)
     tokenizer = load_tokenizer(workflow.tokenizer)
     data = load_phase_data(phase, tokenizer)
+    # Eval files are read once per phase, at one geometry per task for the whole run, and
+    # before the first step: a bad eval file fails the phase now, not after hours of training.
+    eval_data = [
+        load_eval_data(tokenizer, spec, sequence_length=workflow.eval_sequence_length(spec))
+        for spec in workflow.evals
+    ]
+    source_names = data.names()
 
     # Restore order: model, weights, optimizer groups derived by name from the live model,
     # optimizer state, and the RNG last (nothing after it may draw a random number).
@@ -149,10 +156,8 @@ def train_phase(
         return [
             evaluate_task(
                 model,
-                tokenizer,
-                workflow.evals[i],
-                sequence_length=phase.sequence_length,
-                batch_size=phase.microbatch_size,
+                eval_data[i],
+                batch_size=workflow.evals[i].batch_size,
                 step=step,
                 phase=phase.name,
             )
@@ -241,16 +246,23 @@ def train_phase(
             started = time.perf_counter()
             microbatches = [
                 batch_for_step(
-                    data, seed=workflow.seed, phase_index=phase_index, step=step, micro=micro
+                    data,
+                    seed=workflow.seed,
+                    phase_index=phase_index,
+                    step=step - offset,
+                    micro=micro,
                 ).to(device)
                 for micro in range(phase.grad_accum)
             ]
-            loss = backward_step(model, microbatches)
+            result = backward_step(model, microbatches)
 
             # --- gradient clipping, then the optimizer steps
             max_norm = workflow.optimizer.grad_clip or math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            loss_value, norm_value = torch.stack([loss, grad_norm]).tolist()  # CPU-GPU sync
+            sources = sorted(result.by_source)
+            loss_value, norm_value, *source_nll = torch.stack(  # CPU-GPU sync
+                [result.loss, grad_norm, *(result.by_source[i][0] for i in sources)]
+            ).tolist()
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
                 raise NonFiniteLoss(
                     _non_finite_message(loss_value, norm_value, step, phase, latest)
@@ -274,6 +286,9 @@ def train_phase(
                     "lr_muon": muon_lr,
                     "grad_norm": norm_value,
                     "tokens_per_s": phase.tokens_per_step / elapsed,
+                    **_source_metrics(
+                        data, source_names, step - offset, sources, source_nll, result
+                    ),
                 },
             )
             # --- eval and checkpoint, as decided above
@@ -313,6 +328,30 @@ def train_phase(
         # After a failure or a stop: a save in flight finishes its temporary directory, which
         # is never put in place or registered.
         writer.close()
+
+
+def _source_metrics(
+    data: PhaseData,
+    names: list[str],
+    phase_step: int,
+    sources: list[int],
+    nll: list[float],
+    result: StepLoss,
+) -> dict[str, float]:
+    """Per source of a mixture: `loss/<name>` (its NLL over its target tokens, in the steps
+    that hold a microbatch of it) and `token_share/<name>` (its realised share of the phase's
+    envelope tokens so far). Nothing for a phase with one source: `loss` says it all."""
+    if len(names) < 2:
+        return {}
+    out = {
+        f"loss/{names[i]}": value / result.by_source[i][1]
+        for i, value in zip(sources, nll, strict=True)
+    }
+    done = data.schedule[: phase_step * data.grad_accum]
+    counts = np.bincount(done, minlength=len(names))
+    for i, name in enumerate(names):
+        out[f"token_share/{name}"] = float(counts[i]) / len(done)
+    return out
 
 
 def _checkpoint_to_resume(claim: Claim, offsets: list[int]) -> LoadedCheckpoint | None:

@@ -205,7 +205,11 @@ def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
                 "objective": "instruction_tuning",
                 "data": [
                     make_pairs_file(),
-                    {"path": str(make_text_file("replay.jsonl")), "weight": 0.2},
+                    {
+                        "path": str(make_text_file("replay.jsonl")),
+                        "weight": 0.2,
+                        "objective": "continued_pretrain",
+                    },
                 ],
                 "steps": 7,
                 "lr_scale": 0.5,

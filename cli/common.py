@@ -1,0 +1,82 @@
+"""What every command shares: consoles, exit codes, the API call and error printing."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from cli.client import ApiClient, ApiError
+from cli.config import get_settings
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_API = 1, 2, 3
+
+console = Console()
+err_console = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
+
+
+def client() -> ApiClient:
+    settings = get_settings()
+    return ApiClient(settings.api_url, settings.resolved_token())
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    # Escaped: messages quote user input and codes in brackets, which are not markup.
+    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def call(method: str, path: str, **kwargs: Any) -> Any:
+    try:
+        with client() as api:
+            return api.request(method, path, **kwargs)
+    except ApiError as err:
+        detail = f"\n{json.dumps(err.details, indent=2)}" if err.details else ""
+        raise fail(f"{err.message} [{err.code}]{detail}", EXIT_API) from err
+
+
+def wait_for_job(path: str, *, timeout: float, poll: float = 0.5) -> dict[str, Any]:
+    """Poll a job (`/datasets/inspections/<id>`, `/evaluations/<id>`) until it finishes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job: dict[str, Any] = call("GET", path)
+        if job["status"] in ("succeeded", "failed"):
+            return job
+        if time.monotonic() > deadline:
+            raise fail(f"{path} still {job['status']} after {timeout:.0f} s", EXIT_FAILED)
+        time.sleep(poll)
+
+
+def local(action: Callable[[], Any]) -> Any:
+    """Run a worker-side function here, turning its data/config errors into exit code 2."""
+    from worker.error import TrainingError
+
+    try:
+        return action()
+    except TrainingError as err:
+        raise fail(str(err), EXIT_BAD_INPUT) from err
+
+
+def load_workflow(path: Path) -> dict[str, Any]:
+    """Read a workflow file, with relative paths resolved against the file's own folder."""
+    from contracts.workflow import resolve_paths
+
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise fail(f"workflow file {path} not found", EXIT_BAD_INPUT) from err
+    except json.JSONDecodeError as err:
+        raise fail(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}", 2) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise fail(f"workflow file {path} cannot be read: {err}", EXIT_BAD_INPUT) from err
+    if not isinstance(doc, dict):
+        raise fail(f"{path}: a workflow must be a JSON object", EXIT_BAD_INPUT)
+    return resolve_paths(doc, path.resolve().parent)

@@ -1,0 +1,250 @@
+"""Data and evaluation tools: `trainctl data inspect`, `trainctl eval` and the plan table.
+
+Each runs here by default, with the worker's own code (so the worker extra must be installed),
+or on a worker through the API with `--remote` (paths are then the service's).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from cli.common import (
+    EXIT_FAILED,
+    JsonOpt,
+    call,
+    console,
+    err_console,
+    fail,
+    local,
+    wait_for_job,
+)
+
+data_app = typer.Typer(help="Look at data files the way training will.", no_args_is_help=True)
+
+
+class Objective(StrEnum):
+    continued_pretrain = "continued_pretrain"
+    summarization = "summarization"
+    instruction_tuning = "instruction_tuning"
+    qa_reasoning = "qa_reasoning"
+    retrieval_planning = "retrieval_planning"
+
+
+RemoteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--remote",
+        help="Run on a worker through the API (TRAINCTL_API_URL); paths are the service's.",
+    ),
+]
+TimeoutOpt = Annotated[float, typer.Option(help="Seconds to wait for a --remote job.")]
+
+
+def _path(path: Path, remote: bool) -> str:
+    return str(path) if remote else str(path.resolve())
+
+
+@data_app.command("inspect")
+def data_inspect(
+    file: Annotated[Path, typer.Argument(help="JSONL or plain-text data file (.zst too).")],
+    tokenizer: Annotated[
+        Path, typer.Option(help="tokenizer.json (or a folder holding one), as in the workflow.")
+    ],
+    objective: Annotated[
+        Objective,
+        typer.Option(help="continued_pretrain reads text; the others supervised records."),
+    ],
+    sequence_length: Annotated[
+        int, typer.Option(min=1, help="The phase's (or source's) sequence_length.")
+    ],
+    write_fit: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the records training would take to this file (the original lines), "
+            "leaving out the refused ones and those with no target."
+        ),
+    ] = None,
+    remote: RemoteOpt = False,
+    timeout: TimeoutOpt = 600,
+    as_json: JsonOpt = False,
+) -> None:
+    """Inspect a data file with the exact tokenizer and encoder of training: lengths, records
+    that would be refused, trimmed or left with no target, duplicates, and how often each
+    segment of segmented records survives. Exit 1 when records would be refused or have no
+    target (unless --write-fit wrote a file without them)."""
+    from contracts.jobs import InspectionReport, InspectRequest
+
+    request = InspectRequest(
+        path=_path(file, remote),
+        tokenizer=_path(tokenizer, remote),
+        objective=objective.value,
+        sequence_length=sequence_length,
+    )
+    if remote:
+        if write_fit is not None:
+            raise fail("--write-fit writes a local file; run without --remote", 2)
+        job = call("POST", "/datasets/inspect", json=request.model_dump())
+        job = wait_for_job(f"/datasets/inspections/{job['id']}", timeout=timeout)
+        if job["status"] == "failed":
+            raise fail(f"inspection {job['id']} failed: {job.get('error')}", EXIT_FAILED)
+        report = InspectionReport.model_validate(job["result"])
+    else:
+        from worker.inspect import inspect_file
+
+        report = local(lambda: inspect_file(request, write_fit=write_fit))
+    if as_json:
+        print(report.model_dump_json(indent=2))
+    else:
+        print_inspection(report)
+    if (report.refused or report.zero_target) and write_fit is None:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def print_inspection(report: Any) -> None:
+    formats = ", ".join(f"{n} {k}" for k, n in sorted(report.formats.items()))
+    console.print(
+        f"[bold]{report.path}[/bold]: {report.records} records ({formats}), objective "
+        f"{report.objective}, sequence_length {report.sequence_length}"
+    )
+    if report.text_tokens is not None:
+        windows = report.text_tokens // report.sequence_length
+        console.print(f"text: {report.text_tokens:,} tokens, {windows:,} windows")
+    lengths = Table(title="token lengths (as encoded, before fitting)")
+    lengths.add_column("part")
+    for column in ("min", "mean", "p50", "p90", "p99", "max"):
+        lengths.add_column(column, justify="right")
+    for part, s in report.lengths.items():
+        lengths.add_row(
+            part, str(s.min), f"{s.mean:.1f}", str(s.p50), str(s.p90), str(s.p99), str(s.max)
+        )
+    console.print(lengths)
+    counts = Table(title="what training would do")
+    counts.add_column("records")
+    counts.add_column("count", justify="right")
+    counts.add_column("share", justify="right")
+    for label, n in (
+        ("fit (trained on)", report.fit),
+        ("refused: too long", report.refused),
+        ("no target tokens", report.zero_target),
+        ("trimmed or dropped elastic segments", report.trimmed),
+        ("duplicates", report.duplicates),
+        ("source end lost if truncated", report.source_end_lost_if_truncated),
+    ):
+        counts.add_row(label, f"{n:,}", f"{n / report.records:.1%}" if report.records else "-")
+    console.print(counts)
+    if report.segments:
+        segments = Table(title="segments of segmented records")
+        for column in ("#", "role", "elastic", "records", "kept", "trimmed", "dropped"):
+            segments.add_column(column, justify="left" if column in ("role",) else "right")
+        for s in report.segments:
+            segments.add_row(
+                str(s.index),
+                s.role,
+                s.elastic or "-",
+                str(s.records),
+                str(s.kept),
+                str(s.trimmed),
+                str(s.dropped),
+            )
+        console.print(segments)
+    for problem in report.problems[:10]:
+        err_console.print(f"  line {problem.line}: {problem.reason}", soft_wrap=True, markup=False)
+    if len(report.problems) > 10:
+        err_console.print(f"  ... and more ({len(report.problems)} listed with --json)")
+    if report.fit_path is not None:
+        left = report.records - (report.fit_written or 0)
+        console.print(
+            f"wrote {report.fit_written:,} records to {report.fit_path}; left out {left:,}"
+        )
+
+
+def eval_checkpoint(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A save_pretrained directory: a run's checkpoint, or any model.")
+    ],
+    task: Annotated[Objective, typer.Option(help="The task whose loss to compute.")],
+    data: Annotated[Path, typer.Option(help="The task's eval file.")],
+    sequence_length: Annotated[
+        int, typer.Option(min=1, help="Records longer than this are skipped and counted.")
+    ],
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(help="Tokenizer; default: the one saved in the checkpoint directory."),
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Rows per forward pass (the number does not depend on it).")
+    ] = 8,
+    remote: RemoteOpt = False,
+    timeout: TimeoutOpt = 600,
+    as_json: JsonOpt = False,
+) -> None:
+    """Evaluate any checkpoint outside a run (a pre-SFT baseline, say): token-weighted,
+    target-only cross-entropy and perplexity of one task, with the training objective."""
+    from contracts.jobs import EvaluateRequest
+    from contracts.reports import EvalResult
+
+    request = EvaluateRequest(
+        checkpoint=_path(checkpoint, remote),
+        task=task.value,
+        data=_path(data, remote),
+        tokenizer=_path(tokenizer, remote) if tokenizer else None,
+        sequence_length=sequence_length,
+        batch_size=batch_size,
+    )
+    if remote:
+        job = call("POST", "/evaluations", json=request.model_dump())
+        job = wait_for_job(f"/evaluations/{job['id']}", timeout=timeout)
+        if job["status"] == "failed":
+            raise fail(f"evaluation {job['id']} failed: {job.get('error')}", EXIT_FAILED)
+        result = EvalResult.model_validate(job["result"])
+    else:
+        from worker.evaluate import evaluate_checkpoint
+
+        result = local(lambda: evaluate_checkpoint(request))
+    if as_json:
+        print(result.model_dump_json(indent=2))
+        return
+    console.print(
+        f"{result.task}: cross-entropy {result.cross_entropy:.4f}, perplexity "
+        f"{result.perplexity:.2f} over {result.target_tokens:,} target tokens of "
+        f"{result.records:,} records ({result.oversized_records:,} too long, skipped); "
+        f"checkpoint step {result.step}"
+    )
+
+
+def plan_table(title: str, plan: Any) -> Table:
+    """The plan of a workflow: per phase, then per source of a mixture."""
+    table = Table(
+        title=f"{title}: {plan.total_steps} steps, {plan.compute_tokens:,} tokens, replay "
+        f"{plan.replay_token_share:.1%} of supervised tokens"
+    )
+    table.caption = "share: a phase's of the run's tokens; a source's of its phase's"
+    table.add_column("phase / source", no_wrap=True, overflow="fold")
+    table.add_column("objective", overflow="fold")
+    table.add_column("geometry", justify="right", no_wrap=True)
+    for column in ("steps", "tokens", "share"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for p in plan.phases:
+        table.add_row(
+            f"[bold]{p.name}[/bold]",
+            p.objective,
+            "",
+            f"{p.first_step}-{p.last_step}",
+            f"{p.compute_tokens:,}",
+            f"{p.token_share:.1%}",
+        )
+        for s in p.sources:
+            table.add_row(
+                f"  {s.name}",
+                s.objective,
+                f"{s.sequence_length}x{s.microbatch_size}",
+                "",
+                f"{s.compute_tokens:,}",
+                f"{s.token_share:.1%}",
+            )
+    return table

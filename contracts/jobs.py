@@ -1,0 +1,148 @@
+"""Jobs that are not training: dataset inspection and standalone evaluation.
+
+Both read data or run a model, so both run on workers (the service never imports torch): the
+API stores a job and answers 202 with its id, a worker runs it and posts the result back, and
+`GET` on the job returns it. The CLI runs the same worker functions locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.workflow import InspectionGate, Objective, PositiveInt
+
+JobKind = Literal["inspection", "evaluation"]
+JobStatus = Literal["queued", "running", "succeeded", "failed"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InspectRequest(_Request):
+    """Inspect one data file with the exact tokenizer and encoder of training."""
+
+    path: str
+    tokenizer: str
+    objective: Objective
+    sequence_length: PositiveInt
+
+
+class EvaluateRequest(_Request):
+    """Evaluate a checkpoint (any `save_pretrained` directory: a run's, or a pre-SFT model) on
+    one task's data, outside any run."""
+
+    checkpoint: str
+    task: Objective
+    data: str
+    # Default: the tokenizer saved in the checkpoint directory.
+    tokenizer: str | None = None
+    sequence_length: PositiveInt
+    batch_size: PositiveInt = 8
+
+
+class LengthStats(BaseModel):
+    """Token lengths over the records of a file (as encoded, before any fitting)."""
+
+    count: int
+    min: int
+    mean: float
+    p50: int
+    p90: int
+    p99: int
+    max: int
+
+
+class SegmentSurvival(BaseModel):
+    """How one segment position of segmented records fares when records are fitted: `kept`
+    whole, `trimmed` (part kept) or `dropped`, out of the `records` that have it. A refused
+    record keeps nothing."""
+
+    index: int
+    role: str
+    elastic: str | None
+    records: int
+    kept: int
+    trimmed: int
+    dropped: int
+
+
+class RecordProblem(BaseModel):
+    line: int
+    reason: str
+
+
+class InspectionReport(BaseModel):
+    path: str
+    objective: Objective
+    sequence_length: int
+    # Records by format: text, pair, chat, segmented.
+    formats: dict[str, int]
+    records: int
+    # Records training would take (trimmed or not), and those it would refuse.
+    fit: int
+    refused: int
+    # Records whose elastic segments were trimmed or dropped to fit.
+    trimmed: int
+    tokens_trimmed: int
+    segments_dropped: int
+    zero_target: int
+    duplicates: int
+    # Plain {source, target} records too long to fit: cut from the tail, as a naive encoder
+    # does, each would lose the end of its source (often the question).
+    source_end_lost_if_truncated: int
+    # "source", "target", "total": lengths as encoded (total = what must fit sequence_length+1).
+    lengths: dict[str, LengthStats]
+    segments: list[SegmentSurvival] = []
+    # The first problems, with their line numbers (refused, zero target, duplicate).
+    problems: list[RecordProblem] = []
+    # Pretraining text: all tokens (EOS-joined) and how many windows of the geometry they make.
+    text_tokens: int | None = None
+    # `--write-fit`: where the records that fit were written, and how many.
+    fit_path: str | None = None
+    fit_written: int | None = None
+
+    def gate_failures(self, gate: InspectionGate) -> list[str]:
+        """Why this report does not meet `gate`, one sentence each; empty when it does."""
+        failures = []
+        if self.refused:
+            failures.append(f"{self.refused} records cannot be encoded within sequence_length")
+        if self.zero_target:
+            failures.append(f"{self.zero_target} records have no target tokens")
+        if self.records:
+            trimmed, duplicates = self.trimmed / self.records, self.duplicates / self.records
+            if trimmed > gate.max_trimmed_share:
+                failures.append(
+                    f"{trimmed:.1%} of records were trimmed to fit, more than "
+                    f"max_trimmed_share {gate.max_trimmed_share:.1%}"
+                )
+            if duplicates > gate.max_duplicate_share:
+                failures.append(
+                    f"{duplicates:.1%} of records are duplicates, more than "
+                    f"max_duplicate_share {gate.max_duplicate_share:.1%}"
+                )
+        return failures
+
+
+class Job(BaseModel):
+    """A job as the API returns it."""
+
+    id: str
+    kind: JobKind
+    status: JobStatus
+    request: dict[str, Any]
+    # An InspectionReport or an EvalResult (contracts.reports), once succeeded.
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    created_at: str
+    finished_at: str | None = None
+
+
+class JobOutcome(BaseModel):
+    """What a worker posts to `/internal/jobs/{id}/result`."""
+
+    status: Literal["succeeded", "failed"]
+    result: dict[str, Any] | None = None
+    error: str | None = Field(None, max_length=4000)

@@ -1,0 +1,264 @@
+"""The one encoder: a record becomes token ids, a loss mask and a report.
+
+Training, evaluation and dataset inspection all call `encode_records`, so what inspection says
+about a file is what training does with it. docs/data.md describes the encoding for people.
+
+- text: text + EOS, every token a target (pretraining; never refused, it is cut into windows);
+- pair: source + target + EOS; the loss is on the target and the EOS;
+- chat: per message `"<role>: "` + content, then EOS after an assistant's content or "\\n"
+  after anyone else's; the loss is on each assistant's content and its EOS;
+- segmented: the segments' texts in order, then target + EOS; the loss is on the target and
+  the EOS. When the whole is longer than `sequence_length + 1` tokens, elastic segments are
+  dropped or trimmed, last first, until it fits; the others and the target never are.
+
+A record fits when its ids number at most `sequence_length + 1` (a row of `sequence_length`
+positions predicts ids[1:]). Records are encoded whole and measured, never truncated silently:
+what does not fit is reported (`fits` false, with the lengths), and the caller refuses it
+(training) or skips and counts it (evaluation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from worker.model import special_token_ids
+from worker.records import Record
+
+# Bumped whenever the same record would encode differently (a cache key, and in reports).
+ENCODER_VERSION = 2
+
+
+@dataclass(frozen=True)
+class EncodeReport:
+    """How a record was encoded. Lengths are of the record as encoded, before any fitting."""
+
+    kind: str
+    # Tokens per part: per segment (segmented), per message (chat), (source,) for a pair,
+    # (text,) for text. The target and the EOS are counted in target_tokens only.
+    part_tokens: tuple[int, ...]
+    source_tokens: int  # everything that is not a target
+    target_tokens: int  # target tokens, without the closing EOS
+    total_tokens: int  # all ids, EOS included
+    dropped_segments: tuple[int, ...] = ()
+    trimmed_segments: tuple[int, ...] = ()
+    tokens_trimmed: int = 0
+    fits: bool = True
+    # Why the record cannot be trained on (too long even after fitting, or no target), or None.
+    reason: str | None = None
+
+    @property
+    def zero_target(self) -> bool:
+        return self.target_tokens == 0
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: np.ndarray  # int32, after fitting
+    # True where ids[t] is a target (predicted from position t - 1); ids[0] never is one.
+    loss_mask: np.ndarray
+    report: EncodeReport
+
+    @property
+    def usable(self) -> bool:
+        return self.report.fits and not self.report.zero_target
+
+    @property
+    def target_count(self) -> int:
+        """Target positions of this record's row (the EOS included)."""
+        return int(self.loss_mask[1:].sum())
+
+
+def _pieces(record: Record) -> list[str]:
+    """The strings of a record, each encoded separately, in the order `_assemble` reads them."""
+    if record.kind == "text":
+        return [record.text]
+    if record.kind == "pair":
+        return [record.source, record.target]
+    if record.kind == "chat":
+        return [p for m in record.messages for p in (f"{m.role}: ", m.content)]
+    return [s.text for s in record.segments] + [record.target]
+
+
+def encode_records(
+    tokenizer: Tokenizer, records: Sequence[Record], *, sequence_length: int | None
+) -> list[Encoded]:
+    """Encode `records` (one tokenizer batch call). `sequence_length` None: never fit (text,
+    or measuring only)."""
+    eos_id, _ = special_token_ids(tokenizer)
+    newline = tokenizer.encode("\n", add_special_tokens=False).ids
+    pieces = [_pieces(r) for r in records]
+    flat = tokenizer.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
+    out, at = [], 0
+    for record, ps in zip(records, pieces, strict=True):
+        ids = [e.ids for e in flat[at : at + len(ps)]]
+        at += len(ps)
+        out.append(_assemble(record, ids, eos_id, newline, sequence_length))
+    return out
+
+
+def encode_record(tokenizer: Tokenizer, record: Record, *, sequence_length: int | None) -> Encoded:
+    return encode_records(tokenizer, [record], sequence_length=sequence_length)[0]
+
+
+def _assemble(
+    record: Record,
+    ids: list[list[int]],
+    eos_id: int,
+    newline: list[int],
+    sequence_length: int | None,
+) -> Encoded:
+    if record.kind == "text":
+        tokens = [*ids[0], eos_id]
+        report = EncodeReport(
+            kind="text",
+            part_tokens=(len(ids[0]),),
+            source_tokens=0,
+            target_tokens=len(ids[0]),
+            total_tokens=len(tokens),
+        )
+        return Encoded(np.array(tokens, np.int32), np.ones(len(tokens), bool), report)
+    if record.kind == "pair":
+        return _finish(
+            "pair",
+            parts=[(ids[0], False)],
+            target=ids[1],
+            eos_id=eos_id,
+            sequence_length=sequence_length,
+        )
+    if record.kind == "chat":
+        parts: list[tuple[list[int], bool]] = []
+        part_tokens = []
+        for i, message in enumerate(record.messages):
+            header, content = ids[2 * i], ids[2 * i + 1]
+            assistant = message.role == "assistant"
+            parts.append((header, False))
+            parts.append(([*content, eos_id], True) if assistant else ([*content, *newline], False))
+            part_tokens.append(len(header) + len(content) + (1 if assistant else len(newline)))
+        return _finish_chat(parts, tuple(part_tokens), sequence_length)
+    return _fit_segments(record, ids, eos_id, sequence_length)
+
+
+def _finish(
+    kind: str,
+    *,
+    parts: list[tuple[list[int], bool]],
+    target: list[int],
+    eos_id: int,
+    sequence_length: int | None,
+    dropped: tuple[int, ...] = (),
+    trimmed: tuple[int, ...] = (),
+    tokens_trimmed: int = 0,
+    part_tokens: tuple[int, ...] | None = None,
+    total_before: int | None = None,
+) -> Encoded:
+    """Prompt parts (ids, is_target) + target + EOS, measured against `sequence_length`."""
+    tokens: list[int] = []
+    mask: list[bool] = []
+    for part, is_target in parts:
+        tokens.extend(part)
+        mask.extend([is_target] * len(part))
+    source = len(tokens)
+    tokens.extend([*target, eos_id])
+    mask.extend([True] * (len(target) + 1))
+    report = EncodeReport(
+        kind=kind,
+        part_tokens=part_tokens if part_tokens is not None else tuple(len(p) for p, _ in parts),
+        source_tokens=source + tokens_trimmed,
+        target_tokens=len(target),
+        total_tokens=total_before if total_before is not None else len(tokens),
+        dropped_segments=dropped,
+        trimmed_segments=trimmed,
+        tokens_trimmed=tokens_trimmed,
+    )
+    return _judge(tokens, mask, report, sequence_length)
+
+
+def _finish_chat(
+    parts: list[tuple[list[int], bool]], part_tokens: tuple[int, ...], sequence_length: int | None
+) -> Encoded:
+    tokens = [t for p, _ in parts for t in p]
+    mask = [m for p, m in parts for _ in p]
+    targets = sum(len(p) for p, m in parts if m)
+    assistants = sum(1 for _, m in parts if m)
+    report = EncodeReport(
+        kind="chat",
+        part_tokens=part_tokens,
+        source_tokens=len(tokens) - targets,
+        target_tokens=targets - assistants,  # without each turn's EOS
+        total_tokens=len(tokens),
+    )
+    return _judge(tokens, mask, report, sequence_length)
+
+
+def _judge(
+    tokens: list[int], mask: list[bool], report: EncodeReport, sequence_length: int | None
+) -> Encoded:
+    reason = None
+    limit = None if sequence_length is None else sequence_length + 1
+    if report.zero_target:
+        reason = "no target tokens (an empty target trains nothing but the EOS)"
+    elif limit is not None and len(tokens) > limit:
+        reason = (
+            f"encodes to {len(tokens)} tokens (prompt {len(tokens) - _targets(mask)} + target "
+            f"and EOS {_targets(mask)}), more than sequence_length + 1 = {limit}"
+        )
+    if reason is not None:
+        report = replace(report, fits=limit is None or len(tokens) <= limit, reason=reason)
+    ids = np.array(tokens, np.int32)
+    loss_mask = np.array(mask, bool)
+    if len(loss_mask):
+        loss_mask[0] = False  # nothing predicts the first token
+    return Encoded(ids, loss_mask, report)
+
+
+def _targets(mask: list[bool]) -> int:
+    return sum(mask)
+
+
+def _fit_segments(
+    record: Record, ids: list[list[int]], eos_id: int, sequence_length: int | None
+) -> Encoded:
+    """Drop or trim elastic segments, last first, until the record fits."""
+    segments = [list(s) for s in ids[:-1]]
+    target = ids[-1]
+    part_tokens = tuple(len(s) for s in segments)
+    total = sum(part_tokens) + len(target) + 1
+    dropped: list[int] = []
+    trimmed: list[int] = []
+    cut = 0
+    if sequence_length is not None:
+        overflow = total - (sequence_length + 1)
+        for i in reversed(range(len(segments))):
+            if overflow <= 0:
+                break
+            elastic, n = record.segments[i].elastic, len(segments[i])
+            if elastic is None or n == 0:
+                continue
+            if elastic == "drop" or n <= overflow:
+                segments[i] = []
+                dropped.append(i)
+                overflow -= n
+                cut += n
+            else:
+                segments[i] = (
+                    segments[i][overflow:] if elastic == "start" else segments[i][:-overflow]
+                )
+                trimmed.append(i)
+                cut += overflow
+                overflow = 0
+    return _finish(
+        "segmented",
+        parts=[(s, False) for s in segments],
+        target=target,
+        eos_id=eos_id,
+        sequence_length=sequence_length,
+        dropped=tuple(sorted(dropped)),
+        trimmed=tuple(trimmed),
+        tokens_trimmed=cut,
+        part_tokens=part_tokens,
+        total_before=total,
+    )
