@@ -234,6 +234,14 @@ def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
 
     assert second.status == "succeeded" and second.step == 11
     assert sorted(reporter.metrics_by_step) == list(range(5, 12))
+    # A mixture reports each source's loss in the steps holding a microbatch of it, and the
+    # realised token share so far, which follows the weights (5:1 here, 7 microbatches).
+    last = reporter.metrics_by_step[11]
+    assert last["token_share/replay"] + last["token_share/sft"] == pytest.approx(1.0)
+    assert last["token_share/replay"] == pytest.approx(1 / 7)
+    losses = [m for m in reporter.metrics_by_step.values() if "loss/replay" in m]
+    assert len(losses) == 1 and losses[0]["loss/replay"] == pytest.approx(losses[0]["loss"])
+    assert all("loss/sft" in m for m in reporter.metrics_by_step.values() if m not in losses)
     assert [c.step for c in reporter.checkpoints] == [6, 9, 11]
     assert [c.phase_step for c in reporter.checkpoints] == [2, 5, 7]
     # Phase 1's evals: at its last step only (no baseline outside the first phase).

@@ -1,0 +1,148 @@
+"""The local tools of the CLI: `data inspect`, `eval` and the plan of `workflow validate`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = ROOT / "examples" / "tokenizer" / "tokenizer.json"
+runner = CliRunner()
+
+SHORT = {"source": "the cat", "target": " sat"}
+LONG = {"source": "the cat sat under the dog " * 20, "target": " flew"}
+EMPTY = {"source": "the cat", "target": ""}
+
+
+def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def inspect_args(path: Path, *extra: str) -> list[str]:
+    return [
+        "data",
+        "inspect",
+        str(path),
+        "--tokenizer",
+        str(TOKENIZER),
+        "--objective",
+        "qa_reasoning",
+        "--sequence-length",
+        "32",
+        *extra,
+    ]
+
+
+def test_inspect_reports_what_training_would_refuse_and_exits_1(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "qa.jsonl", [SHORT, LONG, SHORT, EMPTY])
+    result = runner.invoke(app, inspect_args(path, "--json"))
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert (report["records"], report["fit"], report["refused"]) == (4, 2, 1)
+    assert (report["zero_target"], report["duplicates"]) == (1, 1)
+    assert report["source_end_lost_if_truncated"] == 1
+    assert {p["line"] for p in report["problems"]} == {2, 3, 4}
+
+
+def test_write_fit_writes_the_records_that_fit_and_says_what_it_left(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "qa.jsonl", [SHORT, LONG, EMPTY, {**SHORT, "id": 7}])
+    out = tmp_path / "fit" / "qa.fit.jsonl"
+    result = runner.invoke(
+        app, [*inspect_args(path, "--write-fit", str(out))], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    lines = path.read_text().splitlines()
+    assert out.read_text().splitlines() == [lines[0], lines[3]]  # the original lines, in order
+    assert "wrote 2 records" in result.stdout and "left out 2" in result.stdout
+    # The written file passes: nothing in it would be refused.
+    again = runner.invoke(app, inspect_args(out, "--json"))
+    assert again.exit_code == 0 and json.loads(again.stdout)["refused"] == 0
+
+
+def test_inspect_names_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(SHORT) + "\n{not json\n")
+    result = runner.invoke(app, inspect_args(path))
+    assert result.exit_code == 2
+    assert f"{path}:2: not valid JSON" in " ".join(result.stderr.split())
+
+
+def test_eval_of_a_checkpoint_outside_a_run(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    shutil.copy(TOKENIZER, model_dir / "tokenizer.json")
+    data = write_jsonl(tmp_path / "qa.jsonl", [SHORT, LONG, {"source": "a dog", "target": " ran"}])
+    args = ["eval", str(model_dir), "--task", "qa_reasoning", "--data", str(data)]
+
+    result = runner.invoke(app, [*args, "--sequence-length", "32", "--json"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert (answer["records"], answer["oversized_records"], answer["step"]) == (2, 1, 0)
+    # An untrained model over 512 tokens: perplexity near the vocabulary size.
+    assert 200 < answer["perplexity"] < 1500
+    small = runner.invoke(app, [*args, "--sequence-length", "32", "--batch-size", "1", "--json"])
+    assert json.loads(small.stdout)["cross_entropy"] == pytest.approx(answer["cross_entropy"])
+
+    missing = runner.invoke(
+        app,
+        [
+            "eval",
+            str(tmp_path),
+            "--task",
+            "qa_reasoning",
+            "--data",
+            str(data),
+            "--sequence-length",
+            "32",
+        ],
+    )
+    assert missing.exit_code == 2 and "no config.json" in missing.stderr
+
+
+def test_validate_prints_the_plan_with_sources_and_replay_share(tmp_path: Path) -> None:
+    from contracts.workflow import resolve_paths
+
+    workflows = ROOT / "examples" / "workflows"
+    doc = resolve_paths(json.loads((workflows / "demo.json").read_text()), workflows)
+    sft = doc["phases"][1]
+    sft["data"].append(
+        {
+            "name": "replay",
+            "path": str(ROOT / "examples" / "data" / "pretrain.train.jsonl"),
+            "weight": 1 / 3,
+            "objective": "continued_pretrain",
+            "sequence_length": 128,
+            "microbatch_size": 4,
+        }
+    )
+    path = tmp_path / "workflow.json"
+    path.write_text(json.dumps(doc))
+    result = runner.invoke(app, ["workflow", "validate", str(path), "--json"])
+    table = runner.invoke(app, ["workflow", "validate", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    phase = plan["phases"][1]
+    assert [s["name"] for s in phase["sources"]] == ["summarization", "replay"]
+    assert phase["replay_token_share"] == pytest.approx(0.25)
+    assert plan["replay_token_share"] == pytest.approx(0.25 * 25 / 100)
+    assert "replay" in table.stdout and "128x4" in table.stdout and "25.0%" in table.stdout
