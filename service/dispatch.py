@@ -1,24 +1,31 @@
 """Commit, then enqueue: the outbox pump.
 
-An attempt's Celery message is first an outbox row, written in the transaction that creates the
-attempt. After the commit, `dispatch_pending` sends unsent rows by task name and marks them
-sent; a background thread repeats that every `outbox_interval_seconds`, so a message whose send
-failed (broker down, process died) goes out later. A row may be sent twice (a crash between the
-send and the mark): workers tolerate that, because a claim has exactly one winner.
+An attempt's or a job's Celery message is first an outbox row, written in the transaction that
+creates the attempt or job. After the commit, `dispatch_pending` sends unsent rows by task name
+and marks them sent; a background thread repeats that every `outbox_interval_seconds`, so a
+message whose send failed (broker down, process died) goes out later. A row may be sent twice
+(a crash between the send and the mark): workers tolerate that, because a claim has exactly one
+winner and a job's first result is the one kept.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.dispatch import RUN_PHASE_TASK, broker_options
-from service.models import OutboxMessage, utcnow
+from contracts.dispatch import (
+    EVALUATE_CHECKPOINT_TASK,
+    INSPECT_DATASET_TASK,
+    RUN_PHASE_TASK,
+    broker_options,
+)
+from service.models import Job, OutboxMessage, utcnow
 from service.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -32,6 +39,8 @@ _PUBLISH_FAILOVER = {
     "interval_max": 0.5,
 }
 _BATCH = 100
+
+JOB_TASKS = {"inspection": INSPECT_DATASET_TASK, "evaluation": EVALUATE_CHECKPOINT_TASK}
 
 
 def make_celery(broker_url: str) -> Celery:
@@ -63,15 +72,17 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                 .with_for_update(skip_locked=True)
             ).all()
             for row in rows:
+                task, args = message_of(session, row)
                 try:
-                    celery.send_task(RUN_PHASE_TASK, args=[row.attempt_id], queue=queue)
+                    celery.send_task(task, args=args, queue=queue)
                 # Any failure to send (kombu's errors, or a transport's own such as redis-py's
                 # ConnectionError, which is no OSError) leaves the row for the next pass.
                 except Exception as err:
                     log.warning(
-                        "could not send attempt %s to queue %r (%s); it stays in the outbox "
+                        "could not send %s %s to queue %r (%s); it stays in the outbox "
                         "and is retried",
-                        row.attempt_id,
+                        "attempt" if row.attempt_id is not None else "job",
+                        args[0],
                         queue,
                         err,
                     )
@@ -82,6 +93,17 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
             session.commit()
             if len(rows) < _BATCH:
                 return sent
+
+
+def message_of(session: Session, row: OutboxMessage) -> tuple[str, list[Any]]:
+    """(task name, args) of an outbox row: `run_phase(attempt_id)`, or a job's task with
+    `(job_id, request)` (contracts.dispatch)."""
+    if row.attempt_id is not None:
+        return RUN_PHASE_TASK, [row.attempt_id]
+    job = session.get(Job, row.job_id)
+    # The foreign key (ON DELETE CASCADE) removes the row with its job.
+    assert job is not None, f"outbox row {row.id} names no job"
+    return JOB_TASKS[job.kind], [job.id, job.request]
 
 
 class OutboxPump(Periodic):

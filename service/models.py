@@ -27,6 +27,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from contracts.jobs import JobKind, JobStatus
+
 RunStatus = Literal["queued", "running", "recovering", "paused", "succeeded", "failed", "cancelled"]
 RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 FINISHED_RUN_STATUSES = ("succeeded", "failed", "cancelled")
@@ -35,6 +37,10 @@ AttemptStatus = Literal[
     "queued", "running", "succeeded", "failed", "preempted", "paused", "lost", "superseded"
 ]
 ATTEMPT_STATUSES: tuple[str, ...] = get_args(AttemptStatus)
+
+JOB_KINDS: tuple[str, ...] = get_args(JobKind)
+JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
+FINISHED_JOB_STATUSES = ("succeeded", "failed")
 
 TokenRole = Literal["admin", "worker"]
 TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
@@ -50,6 +56,10 @@ def new_run_id() -> str:
 
 def new_attempt_id() -> str:
     return f"att_{secrets.token_hex(6)}"
+
+
+def new_job_id() -> str:
+    return f"job_{secrets.token_hex(6)}"
 
 
 def new_token_id() -> str:
@@ -220,15 +230,44 @@ class EvalResult(Base):
     oversized_records: Mapped[int] = mapped_column(default=0)
 
 
+class Job(Base):
+    """Work that is not training (contracts.jobs): a dataset inspection or a standalone
+    evaluation, run by a worker, its outcome posted back."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(_one_of("kind", JOB_KINDS), name="kind"),
+        CheckConstraint(_one_of("status", JOB_STATUSES), name="status"),
+        Index("ix_jobs_created_at", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_job_id)
+    kind: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    # The request with its paths resolved (contracts.jobs.InspectRequest or EvaluateRequest).
+    request: Mapped[dict[str, Any]]
+    # An InspectionReport or a contracts.reports.EvalResult, once succeeded.
+    result: Mapped[dict[str, Any] | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
 class OutboxMessage(Base):
     """A Celery message still to send (sent_at NULL) or already sent. Written in the same
-    transaction as its attempt, so a crash between commit and send loses nothing."""
+    transaction as its attempt or job, so a crash between commit and send loses nothing.
+    Exactly one of attempt_id and job_id is set."""
 
     __tablename__ = "outbox"
-    __table_args__ = (Index("ix_outbox_sent_at", "sent_at"),)
+    __table_args__ = (
+        Index("ix_outbox_sent_at", "sent_at"),
+        CheckConstraint("(attempt_id IS NULL) <> (job_id IS NULL)", name="one_target"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    attempt_id: Mapped[str | None] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     sent_at: Mapped[datetime | None]
 

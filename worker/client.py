@@ -1,4 +1,5 @@
-"""The worker's HTTP client of the service's `/internal/attempts/{id}/...` API."""
+"""The worker's HTTP client of the service's `/internal/attempts/{id}/...` and
+`/internal/jobs/{id}/...` API."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
+from contracts.jobs import Job, JobOutcome
 from contracts.reports import (
     MAX_POINTS_PER_BATCH,
     Accepted,
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 # Error codes of a 409 that mean "this attempt is not yours": drop the work, write nothing.
 ALREADY_CLAIMED = "already_claimed"
 SUPERSEDED = "superseded"
+# A 409 on a job that means "it already has an outcome": drop the message, post nothing.
+JOB_FINISHED = "job_finished"
 
 _Answer = TypeVar("_Answer", bound=BaseModel)
 
@@ -141,10 +145,30 @@ class ServiceClient:
     def finish(self, attempt_id: str, finish: Finish) -> Accepted:
         return self._post(f"/internal/attempts/{attempt_id}/finish", finish, Accepted)
 
+    def start_job(self, job_id: str) -> Job | None:
+        """Mark the job running; its request comes back. None when it already has an outcome
+        (a message delivered twice): drop it."""
+        try:
+            return self._post(f"/internal/jobs/{job_id}/start", None, Job)
+        except ServiceError as err:
+            if err.status == 409 and err.code == JOB_FINISHED:
+                return None
+            raise
+
+    def finish_job(self, job_id: str, outcome: JobOutcome) -> Job | None:
+        """Post the job's outcome. None when the job already had another one (another worker
+        ran the same message): the first outcome is kept."""
+        try:
+            return self._post(f"/internal/jobs/{job_id}/result", outcome, Job)
+        except ServiceError as err:
+            if err.status == 409 and err.code == JOB_FINISHED:
+                return None
+            raise
+
     # --- transport -------------------------------------------------------------------------
 
-    def _post(self, path: str, body: BaseModel, answer: type[_Answer]) -> _Answer:
-        payload = body.model_dump(mode="json")
+    def _post(self, path: str, body: BaseModel | None, answer: type[_Answer]) -> _Answer:
+        payload = None if body is None else body.model_dump(mode="json")
         for attempt in range(self._retries + 1):
             last_try = attempt == self._retries
             try:

@@ -8,9 +8,11 @@ from typing import Any
 from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutting_down
 
-from contracts.dispatch import RUN_PHASE_TASK
+from contracts.dispatch import EVALUATE_CHECKPOINT_TASK, INSPECT_DATASET_TASK, RUN_PHASE_TASK
+from contracts.jobs import JobKind
 from worker.celery_app import app
 from worker.client import ServiceClient, ServiceUnavailable
+from worker.jobs import run_job
 from worker.reporter import drain_spools
 from worker.runner import run_attempt
 
@@ -51,3 +53,35 @@ def run_phase(attempt_id: str) -> None:
         # while it drains; claiming it would only preempt it again. Back to the queue with it.
         raise Reject(f"attempt {attempt_id}: this worker is shutting down", requeue=True)
     run_attempt(attempt_id, settings=app.settings, stop_requested=_preempted.is_set)
+
+
+def _run_job(kind: JobKind, job_id: str, request: dict[str, Any]) -> None:
+    if _preempted.is_set():
+        raise Reject(f"{kind} job {job_id}: this worker is shutting down", requeue=True)
+    run_job(kind, job_id, request, settings=app.settings)
+
+
+# Jobs: a failure of the work is the job's outcome (posted, never retried); only a service that
+# cannot be reached is retried, boundedly, as for run_phase.
+@app.task(
+    name=INSPECT_DATASET_TASK,
+    shared=False,
+    autoretry_for=(ServiceUnavailable,),
+    retry_backoff=30,
+    retry_backoff_max=600,
+    max_retries=8,
+)
+def inspect_dataset(job_id: str, request: dict[str, Any]) -> None:
+    _run_job("inspection", job_id, request)
+
+
+@app.task(
+    name=EVALUATE_CHECKPOINT_TASK,
+    shared=False,
+    autoretry_for=(ServiceUnavailable,),
+    retry_backoff=30,
+    retry_backoff_max=600,
+    max_retries=8,
+)
+def evaluate_checkpoint(job_id: str, request: dict[str, Any]) -> None:
+    _run_job("evaluation", job_id, request)

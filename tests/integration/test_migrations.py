@@ -23,6 +23,7 @@ TABLES = {
     "evals",
     "outbox",
     "api_tokens",
+    "jobs",
 }
 
 

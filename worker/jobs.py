@@ -1,0 +1,104 @@
+"""One job that is not training (contracts.jobs), start to end: start, run, post the outcome.
+
+This is what the Celery tasks call; it is plain Python, testable without Celery or a broker.
+Whatever makes the work fail (a bad file, an unusable tokenizer, a bug) is the job's outcome,
+`failed` with a message that says what and where: running it again would fail the same way,
+so it is never retried. Only a service that cannot be reached is raised (`ServiceUnavailable`),
+for the task to deliver the message again later.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome
+from worker.client import ServiceClient
+from worker.error import TrainingError
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+# contracts.jobs.JobOutcome.error's limit.
+MAX_ERROR_CHARS = 4000
+
+
+def run_job(
+    kind: JobKind,
+    job_id: str,
+    request: dict[str, Any],
+    *,
+    settings: WorkerSettings,
+    client: ServiceClient | None = None,
+) -> JobOutcome | None:
+    """Start job `job_id`, run it and post its outcome, which is returned; None when the job
+    was not this message's to run (it already had an outcome: a message delivered twice) or
+    another worker posted its outcome first."""
+    own_client = client is None
+    client = client or ServiceClient.from_settings(settings)
+    try:
+        if client.start_job(job_id) is None:
+            log.info("%s job %s already has an outcome; dropping the message", kind, job_id)
+            return None
+        outcome = job_outcome(kind, request, settings=settings)
+        if outcome.status == "failed":
+            log.error("%s job %s failed: %s", kind, job_id, outcome.error)
+        if client.finish_job(job_id, outcome) is None:
+            log.info("%s job %s got another outcome first; this one is dropped", kind, job_id)
+            return None
+        return outcome
+    finally:
+        if own_client:
+            client.close()
+
+
+def job_outcome(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -> JobOutcome:
+    """Run the work of a job; its result, or why it failed."""
+    try:
+        result = _work(kind, request, settings=settings)
+    except TrainingError as err:  # DataError, ConfigError: their messages name file and line
+        return _failed(str(err))
+    except ValidationError as err:
+        return _failed(f"the {kind} request does not parse: {err}")
+    except MemoryError as err:
+        return _failed(f"out of memory: {err}")
+    except Exception as err:
+        log.exception("%s job failed", kind)
+        return _failed(f"{type(err).__name__}: {err} at {_origin(err)}")
+    return JobOutcome(status="succeeded", result=result.model_dump(mode="json"))
+
+
+def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -> BaseModel:
+    # Imported here: the work modules load tokenizers and torch, which a job of the other kind
+    # does not need.
+    if kind == "inspection":
+        from worker.inspect import inspect_file
+
+        return inspect_file(InspectRequest.model_validate(request))
+    import torch
+
+    from worker.evaluate import evaluate_checkpoint
+    from worker.model import select_device
+
+    if settings.torch_threads is not None:
+        torch.set_num_threads(settings.torch_threads)
+    return evaluate_checkpoint(
+        EvaluateRequest.model_validate(request), device=select_device(settings.device)
+    )
+
+
+def _failed(message: str) -> JobOutcome:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 3] + "..."
+    return JobOutcome(status="failed", error=message)
+
+
+def _origin(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "unknown location"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
