@@ -1,0 +1,124 @@
+"""The shipped examples: workflows that validate, corpora that their script regenerates exactly,
+and a post-training example that replays pretraining text in every supervised phase."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from contracts.jobs import InspectionReport, InspectRequest
+from contracts.workflow import OBJECTIVES, Workflow, plan, resolve_paths, validate_workflow
+from worker.inspect import inspect_file
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+WORKFLOWS = sorted((EXAMPLES / "workflows").glob("*.json"))
+TOKENIZER = EXAMPLES / "tokenizer" / "tokenizer.json"
+
+
+def load(path: Path) -> Workflow:
+    return validate_workflow(resolve_paths(json.loads(path.read_text()), path.parent))
+
+
+def shipped_bytes(path: Path) -> bytes:
+    """A file's content; a .zst file's decompressed, since another zstd version may compress
+    the same text to other bytes."""
+    if path.suffix == ".zst":
+        with path.open("rb") as f, zstandard.ZstdDecompressor().stream_reader(f) as reader:
+            return reader.read()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.name for p in WORKFLOWS])
+def test_every_example_workflow_validates(path: Path) -> None:
+    workflow = load(path)
+    assert {e.task for e in workflow.evals} == set(OBJECTIVES)
+
+
+def test_make_examples_regenerates_the_shipped_files_exactly(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, str(EXAMPLES / "make_examples.py"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    for folder in ("data", "tokenizer"):
+        made = sorted(p.name for p in (tmp_path / folder).iterdir())
+        shipped = sorted(p.name for p in (EXAMPLES / folder).iterdir())
+        assert made == shipped, f"examples/{folder} differs from what make_examples.py writes"
+        for name in made:
+            assert shipped_bytes(tmp_path / folder / name) == shipped_bytes(
+                EXAMPLES / folder / name
+            ), f"examples/{folder}/{name} is not what make_examples.py writes"
+
+
+def test_sft_example_replays_pretraining_text_in_every_supervised_phase() -> None:
+    workflow = load(EXAMPLES / "workflows" / "sft.example.json")
+    pretrain = workflow.phases[0]
+    assert pretrain.objective == "continued_pretrain"
+    the_plan = plan(workflow)
+    assert 0.2 <= the_plan.replay_token_share <= 0.3
+    assert the_plan.total_steps <= 300  # minutes on 2 CPU cores
+    supervised = [p for p in workflow.phases if p.objective != "continued_pretrain"]
+    assert {p.objective for p in supervised} == set(OBJECTIVES) - {"continued_pretrain"}
+    for phase, phase_plan in zip(workflow.phases, the_plan.phases, strict=True):
+        if phase.objective == "continued_pretrain":
+            continue
+        replay = [s for s in phase.sources() if s.objective == "continued_pretrain"]
+        assert replay, f"phase {phase.name} has no replay source"
+        for source in replay:
+            # The pretraining geometry, so replay loss compares with the pretraining loss.
+            assert (source.sequence_length, source.microbatch_size) == (
+                pretrain.sequence_length,
+                pretrain.microbatch_size,
+            )
+        assert 0.2 <= phase_plan.replay_token_share <= 0.3
+        assert phase.microbatch_tokens == workflow.microbatch_tokens
+
+
+def test_rag_corpus_trims_passages_but_never_the_question() -> None:
+    """At the QA phase's sequence_length a fair share of training records lose passages, all of
+    them still fit (training would refuse any that did not), the phase's inspection gate passes,
+    and the eval file has records too long even without passages."""
+    workflow = load(EXAMPLES / "workflows" / "sft.example.json")
+    qa = next(p for p in workflow.phases if p.objective == "qa_reasoning")
+    source = next(s for s in qa.sources() if s.objective == "qa_reasoning")
+    assert qa.inspection is not None
+
+    def inspect_at(path: str) -> InspectionReport:
+        return inspect_file(
+            InspectRequest(
+                path=path,
+                tokenizer=str(TOKENIZER),
+                objective="qa_reasoning",
+                sequence_length=source.sequence_length,
+            )
+        )
+
+    train = inspect_at(source.path)
+    assert train.formats == {"segmented": train.records}
+    assert train.fit == train.records
+    assert 0.2 <= train.trimmed / train.records <= 0.4
+    assert train.gate_failures(qa.inspection) == []
+
+    evaluation = next(e for e in workflow.evals if e.task == "qa_reasoning")
+    assert evaluation.sequence_length == source.sequence_length
+    held_out = inspect_at(evaluation.data)
+    assert 1 <= held_out.refused <= 5
+    assert held_out.zero_target == 0
+
+
+def test_chat_corpus_fits_the_instruction_phase_whole() -> None:
+    report = inspect_file(
+        InspectRequest(
+            path=str(EXAMPLES / "data" / "chat.train.jsonl"),
+            tokenizer=str(TOKENIZER),
+            objective="instruction_tuning",
+            sequence_length=64,
+        )
+    )
+    assert report.formats == {"chat": report.records}
+    assert report.fit == report.records
