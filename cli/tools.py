@@ -138,18 +138,18 @@ def print_inspection(report: Any) -> None:
         counts.add_row(label, f"{n:,}", f"{n / report.records:.1%}" if report.records else "-")
     console.print(counts)
     if report.segments:
-        segments = Table(title="segments of segmented records")
-        for column in ("#", "role", "elastic", "records", "kept", "trimmed", "dropped"):
-            segments.add_column(column, justify="left" if column in ("role",) else "right")
+        segments = Table(title="segments of segmented records, by role")
+        for column in ("role", "elastic", "segments", "kept", "trimmed", "dropped", "refused"):
+            segments.add_column(column, justify="left" if column == "role" else "right")
         for s in report.segments:
             segments.add_row(
-                str(s.index),
                 s.role,
                 s.elastic or "-",
-                str(s.records),
+                str(s.segments),
                 str(s.kept),
                 str(s.trimmed),
                 str(s.dropped),
+                str(s.refused),
             )
         console.print(segments)
     for problem in report.problems[:10]:

@@ -56,17 +56,19 @@ class LengthStats(BaseModel):
 
 
 class SegmentSurvival(BaseModel):
-    """How one segment position of segmented records fares when records are fitted: `kept`
-    whole, `trimmed` (part kept) or `dropped`, out of the `records` that have it. A refused
-    record keeps nothing."""
+    """How the segments of one role (and elasticity) fare when records are fitted, over the
+    segments of that role in records training would take: `kept` whole, `trimmed` (part kept)
+    or `dropped`. `refused` counts those in records training refuses (too long even after
+    fitting, or without a target): nothing of those is trained on. Non-elastic segments are
+    never trimmed or dropped, so for them kept / (kept + refused) is their survival rate."""
 
-    index: int
     role: str
     elastic: str | None
-    records: int
+    segments: int
     kept: int
     trimmed: int
     dropped: int
+    refused: int
 
 
 class RecordProblem(BaseModel):

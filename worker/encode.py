@@ -5,8 +5,8 @@ about a file is what training does with it. docs/data.md describes the encoding 
 
 - text: text + EOS, every token a target (pretraining; never refused, it is cut into windows);
 - pair: source + target + EOS; the loss is on the target and the EOS;
-- chat: per message `"<role>: "` + content, then EOS after an assistant's content or "\\n"
-  after anyone else's; the loss is on each assistant's content and its EOS;
+- chat: `"<role>: <content>\\n"` for a system or user message (context), `"assistant:"` then
+  `" <content>"` + EOS for an assistant's; the loss is on each assistant's content and its EOS;
 - segmented: the segments' texts in order, then target + EOS; the loss is on the target and
   the EOS. When the whole is longer than `sequence_length + 1` tokens, elastic segments are
   dropped or trimmed, last first, until it fits; the others and the target never are.
@@ -79,7 +79,17 @@ def _pieces(record: Record) -> list[str]:
     if record.kind == "pair":
         return [record.source, record.target]
     if record.kind == "chat":
-        return [p for m in record.messages for p in (f"{m.role}: ", m.content)]
+        # An assistant's content is its own piece, after a space: it tokenizes as a target
+        # that follows "assistant:" would (a leading-space word), and nothing else is trained.
+        return [
+            p
+            for m in record.messages
+            for p in (
+                (f"{m.role}:", f" {m.content}")
+                if m.role == "assistant"
+                else (f"{m.role}: {m.content}\n", "")
+            )
+        ]
     return [s.text for s in record.segments] + [record.target]
 
 
@@ -89,14 +99,13 @@ def encode_records(
     """Encode `records` (one tokenizer batch call). `sequence_length` None: never fit (text,
     or measuring only)."""
     eos_id, _ = special_token_ids(tokenizer)
-    newline = tokenizer.encode("\n", add_special_tokens=False).ids
     pieces = [_pieces(r) for r in records]
     flat = tokenizer.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
     out, at = [], 0
     for record, ps in zip(records, pieces, strict=True):
         ids = [e.ids for e in flat[at : at + len(ps)]]
         at += len(ps)
-        out.append(_assemble(record, ids, eos_id, newline, sequence_length))
+        out.append(_assemble(record, ids, eos_id, sequence_length))
     return out
 
 
@@ -108,7 +117,6 @@ def _assemble(
     record: Record,
     ids: list[list[int]],
     eos_id: int,
-    newline: list[int],
     sequence_length: int | None,
 ) -> Encoded:
     if record.kind == "text":
@@ -133,11 +141,13 @@ def _assemble(
         parts: list[tuple[list[int], bool]] = []
         part_tokens = []
         for i, message in enumerate(record.messages):
-            header, content = ids[2 * i], ids[2 * i + 1]
-            assistant = message.role == "assistant"
-            parts.append((header, False))
-            parts.append(([*content, eos_id], True) if assistant else ([*content, *newline], False))
-            part_tokens.append(len(header) + len(content) + (1 if assistant else len(newline)))
+            head, content = ids[2 * i], ids[2 * i + 1]
+            if message.role == "assistant":
+                parts += [(head, False), ([*content, eos_id], True)]
+                part_tokens.append(len(head) + len(content) + 1)
+            else:
+                parts.append((head, False))  # the whole "role: content\n"
+                part_tokens.append(len(head))
         return _finish_chat(parts, tuple(part_tokens), sequence_length)
     return _fit_segments(record, ids, eos_id, sequence_length)
 

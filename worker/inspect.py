@@ -67,7 +67,7 @@ def summarize(
     seen: set[tuple[object, ...]] = set()
     fit = refused = trimmed = tokens_trimmed = dropped = zero = duplicates = 0
     source_end_lost = 0
-    survival: dict[int, SegmentSurvival] = {}
+    survival: dict[tuple[str, str | None], SegmentSurvival] = {}
 
     def problem(record: Record, reason: str) -> None:
         if len(problems) < MAX_PROBLEMS:
@@ -98,7 +98,7 @@ def summarize(
                 source_end_lost += 1
         else:
             fit += 1
-        if report.dropped_segments or report.trimmed_segments:
+        if enc.usable and (report.dropped_segments or report.trimmed_segments):
             trimmed += 1
             tokens_trimmed += report.tokens_trimmed
             dropped += len(report.dropped_segments)
@@ -119,7 +119,7 @@ def summarize(
         duplicates=duplicates,
         source_end_lost_if_truncated=source_end_lost,
         lengths=_lengths(encoded),
-        segments=[survival[i] for i in sorted(survival)],
+        segments=list(survival.values()),  # roles in order of first appearance
         problems=problems,
         text_tokens=sum(len(e.ids) for e in encoded) if text else None,
     )
@@ -131,27 +131,31 @@ def _wrong_kind(kind: str, objective: str) -> str:
     return f"a text record where {objective} reads supervised records"
 
 
-def _count_survival(survival: dict[int, SegmentSurvival], record: Record, enc: Encoded) -> None:
+def _count_survival(
+    survival: dict[tuple[str, str | None], SegmentSurvival], record: Record, enc: Encoded
+) -> None:
     report = enc.report
-    usable = enc.usable
     for i, segment in enumerate(record.segments):
-        entry = survival.get(i) or SegmentSurvival(
-            index=i,
+        key = (segment.role, segment.elastic)
+        entry = survival.get(key) or SegmentSurvival(
             role=segment.role,
             elastic=segment.elastic,
-            records=0,
+            segments=0,
             kept=0,
             trimmed=0,
             dropped=0,
+            refused=0,
         )
-        entry.records += 1
-        if not usable or i in report.dropped_segments:
+        entry.segments += 1
+        if not enc.usable:
+            entry.refused += 1
+        elif i in report.dropped_segments:
             entry.dropped += 1
         elif i in report.trimmed_segments:
             entry.trimmed += 1
         else:
             entry.kept += 1
-        survival[i] = entry
+        survival[key] = entry
 
 
 def _stats(values: Sequence[int]) -> LengthStats:
