@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -55,13 +57,15 @@ def serve(
     """Run the API alone, with settings from TRAINCTL_* (Postgres and Redis in production)."""
     import uvicorn
 
+    from contracts.logs import configure_logging
     from service.app import create_app
     from service.db import upgrade_database
     from service.settings import ServiceSettings
 
     settings = ServiceSettings()
+    configure_logging(settings.log_format, settings.log_level)
     upgrade_database(settings.database_url)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(settings), host=host, port=port, log_config=None, log_level="warning")
 
 
 @app.command()
@@ -86,12 +90,14 @@ def up(
     import uvicorn
 
     from cli.stack import spawn, stop
+    from contracts.logs import configure_logging
     from service.app import create_app
     from service.auth import ensure_tokens
     from service.db import upgrade_database
     from service.settings import ServiceSettings
 
     settings = ServiceSettings(api_url=f"http://{host}:{port}")
+    configure_logging(settings.log_format, settings.log_level)
     settings.home.mkdir(parents=True, exist_ok=True)
     upgrade_database(settings.database_url)
     tokens = ensure_tokens(settings)
@@ -109,8 +115,14 @@ def up(
         f"trainctl up: API {settings.api_url}, {workers} worker(s), home {settings.home}, "
         f"token in {settings.home / 'token'}"
     )
+    # uvicorn handles SIGTERM itself, then raises it again once shut down, which by default
+    # kills this process before the workers (in their own sessions) are stopped. A handler
+    # that exits instead lets the `finally` below stop them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+        uvicorn.run(
+            create_app(settings), host=host, port=port, log_config=None, log_level="warning"
+        )
     finally:
         for proc in procs:
             stop(proc)

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.dispatch import DEFAULT_QUEUE
+from contracts.logs import LogFormat
 
 DEFAULT_HOME = "~/.trainctl"
 _DATABASE_SCHEMES = ("sqlite:", "postgresql:", "postgresql+psycopg:", "postgres:")
@@ -33,6 +34,9 @@ class ServiceSettings(BaseSettings):
     # Relative paths in submitted workflows resolve against this directory.
     data_root: Path = Field(default_factory=Path.cwd)
     lease_seconds: float = Field(default=60.0, gt=0)
+    # Log lines as text or as one JSON object per line (with run_id/attempt_id where known).
+    log_format: LogFormat = "text"
+    log_level: str = "INFO"
     outbox_interval_seconds: float = Field(default=2.0, gt=0)
     # How often the reaper looks for running attempts whose lease expired. A lost worker is
     # noticed between lease_seconds and lease_seconds + this after its last report.

@@ -4,10 +4,13 @@ the truth, and the claim decides who works on what."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from celery import Celery
+from celery.signals import setup_logging
 
 from contracts.dispatch import broker_options
+from contracts.logs import configure_logging
 from worker.settings import WorkerSettings, get_settings
 
 # Redis redelivers a message not acknowledged within this time to another worker. Messages
@@ -56,8 +59,18 @@ class WorkerApp(Celery):
 app = WorkerApp(get_settings())
 
 
+@setup_logging.connect
+def _setup_logging(**_: Any) -> None:
+    # Connected, so Celery leaves the root logger to us: one format for every line.
+    configure_logging(app.settings.log_format, app.settings.log_level)
+
+
 def start_worker(settings: WorkerSettings, extra_args: Sequence[str] = ()) -> None:
     """Run a worker process in the foreground until it is stopped. The solo pool trains in this
     very process: one process is one training slot, and SIGKILL kills the training with it."""
     app.configure(settings)
+    if settings.metrics_port is not None:
+        from worker.metrics import serve
+
+        serve(settings.metrics_port)
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", settings.queue, *extra_args])

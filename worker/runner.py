@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from contracts.logs import log_context
 from contracts.reports import Claim, ClaimRequest, FailureCause, Finish
 from contracts.signature import sha256_path
 from contracts.workflow import Workflow
+from worker import metrics
 from worker.client import ServiceClient, Superseded
 from worker.error import ConfigError, SignatureMismatch, TrainingError
 from worker.model import select_device
@@ -81,7 +83,12 @@ def _run_claimed(
         flush_seconds=settings.spool_flush_seconds,
     )
     try:
-        return _train_and_finish(claim, reporter, settings=settings, stop_requested=stop_requested)
+        # One attempt per process at a time: every line the process logs meanwhile, from any
+        # thread, is about this attempt.
+        with log_context(process_wide=True, run_id=claim.run_id, attempt_id=claim.attempt_id):
+            return _train_and_finish(
+                claim, reporter, settings=settings, stop_requested=stop_requested
+            )
     finally:
         reporter.close()
 
@@ -127,6 +134,7 @@ def _train_and_finish(
 
     if finish.status == "failed":
         log.error("%s failed (%s): %s", where, finish.cause, finish.message)
+    metrics.ATTEMPTS.labels(finish.status).inc()
     try:
         reporter.finish(finish)
     except Superseded:

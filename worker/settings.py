@@ -10,6 +10,7 @@ from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.dispatch import DEFAULT_QUEUE
+from contracts.logs import LogFormat
 
 
 class WorkerSettings(BaseSettings):
@@ -26,6 +27,11 @@ class WorkerSettings(BaseSettings):
     # None leaves torch's default (one thread per core).
     torch_threads: int | None = None
     heartbeat_seconds: float = 5.0
+    # Log lines as text or as one JSON object per line; both carry run_id and attempt_id.
+    log_format: LogFormat = "text"
+    log_level: str = "INFO"
+    # When set, the worker serves Prometheus metrics on this port (GET /metrics).
+    metrics_port: int | None = None
     # At a phase's end, how long the worker waits for an unreachable service to take the
     # reports it spooled (and the finish) before it gives up and leaves them on disk for the
     # next worker process on this machine to send.

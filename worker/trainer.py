@@ -23,7 +23,7 @@ from transformers.utils import logging as transformers_logging
 
 from contracts.reports import CheckpointRef, Claim, EvalResult
 from contracts.workflow import Phase, Workflow
-from worker import failpoint
+from worker import failpoint, metrics
 from worker.checkpoint import (
     CheckpointState,
     CheckpointWriter,
@@ -214,6 +214,7 @@ def train_phase(
                 keep_steps=phase_finals,
                 newest=state.step,
             )
+        metrics.CHECKPOINTS.inc()
         failpoint.hit("after_checkpoint", state.step)
         log.info("checkpoint %s (phase %r, step %d)", path, phase.name, state.step)
         return ref
@@ -276,6 +277,7 @@ def train_phase(
             failpoint.hit("after_step", step)
             tokens_seen += phase.tokens_per_step
             elapsed = time.perf_counter() - started
+            metrics.observe_step(step, elapsed, phase.tokens_per_step)
 
             # --- log
             reporter.metrics(

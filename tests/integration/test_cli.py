@@ -56,3 +56,56 @@ def test_cli_creates_pauses_resumes_and_cancels_and_names_a_signature_mismatch(
 
         missing = cli(["runs", "show", "run_doesnotexist"], env=env)
         assert missing.returncode == EXIT_API and "run_doesnotexist" in missing.stderr
+
+
+def _processes_of_home(home: Path) -> list[int]:
+    """Pids of live processes whose environment names TRAINCTL_HOME=home."""
+    needle = f"TRAINCTL_HOME={home}".encode() + b"\0"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes() + b"\0":
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+def test_up_stops_its_workers_when_terminated(tmp_path: Path) -> None:
+    """uvicorn raises SIGTERM again after its shutdown; `up` must still stop the workers it
+    started (they run in their own sessions and would otherwise outlive it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cli.stack import free_port, wait_healthy
+
+    port = free_port()
+    env = {**os.environ, "TRAINCTL_HOME": str(tmp_path)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "cli", "up", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=60, process=up)
+        deadline = time.monotonic() + 30
+        while len(_processes_of_home(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_processes_of_home(tmp_path)) >= 2, "up and its worker"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while _processes_of_home(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_of_home(tmp_path) == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for pid in _processes_of_home(tmp_path):
+            os.kill(pid, signal.SIGKILL)
