@@ -138,8 +138,8 @@ def packed_rows(
 class TextSource:
     geometry: SourceGeometry
     tokens: np.ndarray  # every document, EOS-joined, int32
-    # The window order of the epoch last used: (epoch, permutation).
-    _order: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+    # The window order last used: ((seed, phase_index, index, epoch), permutation).
+    _order: tuple[tuple[int, ...], np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def windows(self) -> int:
@@ -148,9 +148,9 @@ class TextSource:
     def window(self, g: int, *, seed: int, phase_index: int, index: int) -> np.ndarray:
         """Window g of the source's endless stream: epoch g // windows, in a seeded order."""
         n, seq = self.windows, self.geometry.sequence_length
-        epoch = g // n
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, _epoch_rng(seed, phase_index, index, epoch).permutation(n))
+        key = (seed, phase_index, index, g // n)
+        if self._order is None or self._order[0] != key:
+            self._order = (key, _epoch_rng(*key).permutation(n))
         k = int(self._order[1][g % n])
         return self.tokens[k * seq : k * seq + seq + 1]
 
@@ -159,8 +159,11 @@ class TextSource:
 class RecordSource:
     geometry: SourceGeometry
     records: list[Encoded]
-    # Packed rows of each epoch (lists of record indices), built on first use: deterministic.
-    _epochs: list[list[list[int]]] = field(default_factory=list, repr=False)
+    # Packed rows of each epoch (lists of record indices) by (seed, phase_index, index), built
+    # on first use: a cache of a pure function.
+    _epochs: dict[tuple[int, int, int], list[list[list[int]]]] = field(
+        default_factory=dict, repr=False
+    )
 
 
 @dataclass(frozen=True)
@@ -312,13 +315,14 @@ def _record_rows(
 ) -> list[list[Encoded]]:
     """Packed rows first .. first + count - 1 of the source's endless row stream."""
     out = []
+    epochs = source._epochs.setdefault((seed, phase_index, index), [])
     epoch, start = 0, 0  # the epoch holding row `first`, and that epoch's first row number
     for g in range(first, first + count):
         while True:
-            while len(source._epochs) <= epoch:
-                rng = _epoch_rng(seed, phase_index, index, len(source._epochs))
-                source._epochs.append(_pack_epoch(source, rng))
-            rows = source._epochs[epoch]
+            while len(epochs) <= epoch:
+                rng = _epoch_rng(seed, phase_index, index, len(epochs))
+                epochs.append(_pack_epoch(source, rng))
+            rows = epochs[epoch]
             if g < start + len(rows):
                 break
             start += len(rows)

@@ -81,16 +81,14 @@ def _pieces(record: Record) -> list[str]:
     if record.kind == "chat":
         # An assistant's content is its own piece, after a space: it tokenizes as a target
         # that follows "assistant:" would (a leading-space word), and nothing else is trained.
-        return [
-            p
-            for m in record.messages
-            for p in (
-                (f"{m.role}:", f" {m.content}")
-                if m.role == "assistant"
-                else (f"{m.role}: {m.content}\n", "")
-            )
-        ]
+        return [p for m in record.messages for p in _chat_pieces(m.role, m.content)]
     return [s.text for s in record.segments] + [record.target]
+
+
+def _chat_pieces(role: str, content: str) -> tuple[str, str]:
+    if role == "assistant":
+        return f"{role}:", f" {content}" if content else ""  # empty: no target at all
+    return f"{role}: {content}\n", ""
 
 
 def encode_records(
@@ -128,7 +126,9 @@ def _assemble(
             target_tokens=len(ids[0]),
             total_tokens=len(tokens),
         )
-        return Encoded(np.array(tokens, np.int32), np.ones(len(tokens), bool), report)
+        mask = np.ones(len(tokens), bool)
+        mask[0] = False  # nothing predicts the first token
+        return Encoded(np.array(tokens, np.int32), mask, report)
     if record.kind == "pair":
         return _finish(
             "pair",

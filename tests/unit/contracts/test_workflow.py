@@ -174,3 +174,144 @@ def test_unusable_paths_and_values_are_problems_not_crashes(tmp_path: Path) -> N
     assert "phases[0].steps" in found
     assert "optimizer.muon_lr" in found
     assert "name" in found
+
+
+# --- data sources: geometry, names, replay --------------------------------------------------
+
+
+def replay_source(tmp_path: Path, **geometry: Any) -> dict[str, Any]:
+    """Pretraining text replayed in the sft phase, with the pretraining phase's geometry."""
+    return {
+        "path": str(tmp_path / "a.jsonl"),
+        "weight": 1,
+        "objective": "continued_pretrain",
+        "sequence_length": 32,
+        "microbatch_size": 2,
+        **geometry,
+    }
+
+
+def test_a_replay_source_with_its_own_geometry_filling_the_envelope_is_valid(
+    tmp_path: Path,
+) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["data"][1] = replay_source(tmp_path)
+    wf = validate_workflow(doc)
+    sft, replay = wf.phases[1].sources()
+    assert (sft.name, sft.objective, sft.sequence_length, sft.microbatch_size) == (
+        "b",
+        "summarization",
+        16,
+        4,
+    )
+    assert (replay.name, replay.objective, replay.sequence_length, replay.microbatch_size) == (
+        "a",
+        "continued_pretrain",
+        32,
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("geometry", "message"),
+    [
+        (
+            {"microbatch_size": 3},
+            "sequence_length 32 x microbatch_size 3 = 96 tokens, but microbatch_tokens is 64",
+        ),
+        # A source giving one of the two takes the other from its phase (microbatch_size 4).
+        (
+            {"microbatch_size": None},
+            "sequence_length 32 x microbatch_size 4 = 128 tokens, but microbatch_tokens is 64",
+        ),
+    ],
+)
+def test_a_source_geometry_that_misses_the_envelope_is_refused_at_its_path(
+    tmp_path: Path, geometry: dict[str, Any], message: str
+) -> None:
+    doc = make_workflow(tmp_path)
+    source = replay_source(tmp_path, **geometry)
+    doc["phases"][1]["data"][1] = {k: v for k, v in source.items() if v is not None}
+    found = problems_of(doc)
+    assert found == {"phases[1].data[1]": message}
+
+
+def test_duplicate_source_names_in_a_phase_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "b.train.jsonl").write_text('{"source": "s", "target": "t"}\n')
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["data"][1] = {"path": str(tmp_path / "other" / "b.train.jsonl")}
+    found = problems_of(doc)
+    assert list(found) == ["phases[1].data[1].name"]
+    assert "duplicate source name 'b' (also data[0])" in found["phases[1].data[1].name"]
+
+    doc["phases"][1]["data"][1]["name"] = "b_other"  # a distinct name settles it
+    wf = validate_workflow(doc)
+    assert [s.name for s in wf.phases[1].sources()] == ["b", "b_other"]
+
+
+def test_sequence_lengths_beyond_the_model_positions_are_refused_for_sources_and_evals(
+    tmp_path: Path,
+) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["data"][1] = replay_source(tmp_path, sequence_length=128)
+    doc["evals"][0]["sequence_length"] = 65
+    doc["microbatch_tokens"] = 64
+    found = problems_of(doc)
+    assert found["phases[1].data[1].sequence_length"] == (
+        "128 exceeds the model's max_position_embeddings 64"
+    )
+    assert found["evals[0].sequence_length"] == "65 exceeds the model's max_position_embeddings 64"
+
+
+def test_an_eval_is_computed_at_the_longest_sequence_length_unless_given(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][0]["sequence_length"] = 16
+    doc["phases"][0]["microbatch_size"] = 4
+    doc["phases"][1]["data"][1] = replay_source(tmp_path)  # 32, the longest
+    doc["evals"].append({"task": "continued_pretrain", "data": str(tmp_path / "a.jsonl")})
+    doc["evals"][1]["sequence_length"] = 8
+    wf = validate_workflow(doc)
+    assert [wf.eval_sequence_length(e) for e in wf.evals] == [32, 8]
+    assert (wf.evals[0].batch_size, wf.evals[0].sequence_length) == (8, None)
+
+
+def test_plan_reports_each_source_token_share_and_the_replay_token_share(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["data"][1] = replay_source(tmp_path)
+    doc["phases"].append(
+        {
+            "name": "instruct",
+            "objective": "instruction_tuning",
+            "data": [{"path": str(tmp_path / "b.jsonl")}],
+            "sequence_length": 16,
+            "microbatch_size": 4,
+            "steps": 5,
+        }
+    )
+    result = plan(validate_workflow(doc))
+    pre, sft, instruct = result.phases
+    assert [p.compute_tokens for p in result.phases] == [640, 640, 320]
+    sources = [
+        (s.name, s.objective, s.sequence_length, s.microbatch_size, s.token_share, s.compute_tokens)
+        for s in sft.sources
+    ]
+    assert sources == [
+        ("b", "summarization", 16, 4, 0.75, 480),
+        ("a", "continued_pretrain", 32, 2, 0.25, 160),
+    ]
+    # Replay is counted in supervised phases only: pretraining text there is its own objective.
+    assert (pre.replay_token_share, sft.replay_token_share, instruct.replay_token_share) == (
+        0.0,
+        0.25,
+        0.0,
+    )
+    assert [s.token_share for s in pre.sources] == [1.0]
+    # Of the 960 supervised-phase tokens, 160 are replayed pretraining text.
+    assert result.replay_token_share == pytest.approx(160 / 960)
+
+
+def test_plan_without_supervised_phases_has_no_replay(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"] = doc["phases"][:1]
+    assert plan(validate_workflow(doc)).replay_token_share == 0.0

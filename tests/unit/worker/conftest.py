@@ -7,7 +7,7 @@ import json
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -18,6 +18,9 @@ from contracts.signature import Digests, sha256_path
 from contracts.workflow import Workflow
 from worker.checkpoint import verify_checkpoint
 from worker.reporter import Action
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Two xdist processes share two cores.
 torch.set_num_threads(1)
@@ -112,6 +115,36 @@ def make_pairs_file(tmp_path: Path) -> Callable[..., Path]:
                 {"source": "reverse " + " ".join(words) + ":", "target": " ".join(words[::-1])}
             )
         return write_jsonl(tmp_path / "data" / name, rows)
+
+    return make
+
+
+@pytest.fixture
+def make_zst() -> Callable[[Path], Path]:
+    """Compress a file to a sibling `<name>.zst` (the original is kept)."""
+
+    def make(path: Path) -> Path:
+        import zstandard
+
+        out = path.with_name(path.name + ".zst")
+        out.write_bytes(zstandard.ZstdCompressor().compress(path.read_bytes()))
+        return out
+
+    return make
+
+
+@pytest.fixture
+def make_model() -> Callable[..., PreTrainedModel]:
+    """A tiny llama (TINY_MODEL with `overrides`), its weights fixed by `seed`, in train mode."""
+
+    def make(*, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = {**TINY_MODEL, **overrides}
+        model_type = config.pop("model_type")
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+        return model.train()
 
     return make
 

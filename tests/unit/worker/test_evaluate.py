@@ -1,63 +1,100 @@
+"""Per-task evaluation and the one objective it shares with training."""
+
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import re
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
+from transformers import PreTrainedModel
 
-from contracts.workflow import EvalSpec, Workflow, perplexity
-from worker.data import (
-    encode_records,
-    encode_texts,
-    read_pairs,
-    read_texts,
-    record_row,
-    stack_rows,
-    window_row,
-)
-from worker.evaluate import evaluate_task
-from worker.model import PAD_TOKEN, build_model
+from contracts.jobs import EvaluateRequest
+from contracts.workflow import EvalSpec, perplexity
+from worker.data import Batch, packed_rows, record_row, stack_rows, window_row
+from worker.encode import Encoded, encode_records
+from worker.error import ConfigError, DataError
+from worker.evaluate import evaluate_checkpoint, evaluate_task, load_eval_data
+from worker.model import special_token_ids
 from worker.objective import backward_step, objective_loss
+from worker.records import parse_record, read_records
 
 SEQ = 32
 
+PASSAGE = " the cat sat on the mat and then it ran over the tree"
+MIXED: list[dict[str, Any]] = [
+    {"source": "reverse cat dog:", "target": " dog cat"},
+    {"source": "the big red bird", "target": " flew over the roof quickly"},
+    {
+        "messages": [
+            {"role": "user", "content": "the bird?"},
+            {"role": "assistant", "content": "it flew"},
+        ]
+    },
+    {
+        "segments": [
+            {"text": "Answer.\n", "role": "instruction"},
+            {"text": PASSAGE * 3, "role": "passage", "elastic": "end"},
+            {"text": "\nWhere?", "role": "question"},
+        ],
+        "target": " on the mat",
+    },
+    {"source": "a", "target": " small blue cat sat"},
+    {"source": "the dog ran", "target": " under the tree"},
+]
 
-@pytest.fixture
-def workflow(
-    make_workflow: Callable[..., Workflow], make_pairs_file: Callable[..., Path]
-) -> Workflow:
-    return make_workflow(
-        [{"name": "sft", "objective": "summarization", "data": [make_pairs_file()], "steps": 4}],
-        model={"attention_dropout": 0.2},
-    )
+
+def spec(task: str, path: Path) -> EvalSpec:
+    return EvalSpec.model_validate({"task": task, "data": str(path)})
+
+
+def pack(encoded: Sequence[Encoded], length: int) -> list[list[Encoded]]:
+    """Records in file order, laid greedily into rows of `length` positions."""
+    rows: list[list[Encoded]] = [[]]
+    fill = 0
+    for e in encoded:
+        size = len(e.ids) - 1
+        if fill + size > length:
+            rows.append([])
+            fill = 0
+        rows[-1].append(e)
+        fill += size
+    return rows
 
 
 def test_eval_equals_the_training_loss_without_gradients(
-    workflow: Workflow, tokenizer: Tokenizer, make_pairs_file: Callable[..., Path]
+    tmp_path: Path,
+    tokenizer: Tokenizer,
+    make_jsonl: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
 ) -> None:
-    path = make_pairs_file("eval.jsonl", records=10, seed=5)
-    model = build_model(workflow, torch.device("cpu"))
-    spec = EvalSpec(task="summarization", data=str(path))
+    path = make_jsonl(tmp_path / "eval.jsonl", MIXED * 2)
+    model = make_model(attention_dropout=0.2)  # eval mode matters: dropout is on in training
+    data = load_eval_data(tokenizer, spec("summarization", path), sequence_length=SEQ)
+    result = evaluate_task(model, data, batch_size=4, step=3, phase="sft")
 
-    result = evaluate_task(
-        model, tokenizer, spec, sequence_length=SEQ, batch_size=4, step=3, phase="sft"
-    )
-
-    # The same records as the trainer batches them: rows padded to sequence_length, split
-    # into microbatches of one optimizer step.
-    (pad,) = [i for t, i in tokenizer.get_vocab().items() if t == PAD_TOKEN]
-    records = encode_records(tokenizer, [(s, t) for _, s, t in read_pairs(str(path))])
-    rows = [record_row(r, SEQ, pad) for r in records]
-    microbatches = [stack_rows(rows[i : i + 4]) for i in range(0, len(rows), 4)]
+    # The same records as training takes them: one encoder, packed into rows of sequence_length
+    # with their block-diagonal masks, in microbatches of one optimizer step.
+    encoded = encode_records(tokenizer, read_records(str(path)), sequence_length=SEQ)
+    assert all(e.usable for e in encoded)
+    _, pad_id = special_token_ids(tokenizer)
+    rows = pack(encoded, SEQ)
+    microbatches = [packed_rows(rows[:2], SEQ, pad_id), packed_rows(rows[2:], SEQ, pad_id)]
+    assert microbatches[0].target_tokens != microbatches[1].target_tokens
     model.eval()  # dropout off, as in evaluation; gradients on, as in training
-    training_loss = backward_step(model, microbatches).item()
+    training = backward_step(model, microbatches)
 
-    assert result.cross_entropy == pytest.approx(training_loss, rel=1e-5)
+    assert result.cross_entropy == pytest.approx(training.loss.item(), rel=1e-5)
     assert result.target_tokens == sum(b.target_tokens for b in microbatches)
-    assert result.records == 10
-    assert result.perplexity == pytest.approx(perplexity(training_loss), rel=1e-5)
+    assert result.target_tokens == sum(e.target_count for e in encoded)
+    assert result.records == len(MIXED) * 2 and result.oversized_records == 0
+    assert result.perplexity == pytest.approx(perplexity(training.loss.item()), rel=1e-5)
     assert (result.step, result.phase, result.task) == (3, "sft", "summarization")
     assert any(p.grad is not None for p in model.parameters())  # the training path ran
 
@@ -65,91 +102,227 @@ def test_eval_equals_the_training_loss_without_gradients(
 @pytest.mark.parametrize("task", ["qa_reasoning", "continued_pretrain"])
 def test_eval_does_not_depend_on_the_batch_size(
     task: str,
-    workflow: Workflow,
+    tmp_path: Path,
     tokenizer: Tokenizer,
-    make_pairs_file: Callable[..., Path],
+    make_jsonl: Callable[..., Path],
     make_text_file: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
 ) -> None:
     if task == "continued_pretrain":
         path = make_text_file(documents=30)
     else:
-        path = make_pairs_file(records=23)
-    model = build_model(workflow, torch.device("cpu"))
-    spec = EvalSpec.model_validate({"task": task, "data": str(path)})
+        path = make_jsonl(tmp_path / "mixed.jsonl", MIXED * 4)
+    model = make_model()
+    data = load_eval_data(tokenizer, spec(task, path), sequence_length=SEQ)
+    assert len(data.rows) > 6
     results = [
-        evaluate_task(model, tokenizer, spec, sequence_length=SEQ, batch_size=b, step=0, phase="p")
-        for b in (1, 3, 64)
+        evaluate_task(model, data, batch_size=b, step=0, phase="p") for b in (1, 3, len(data.rows))
     ]
-    assert len({r.target_tokens for r in results}) == 1
+    assert len({(r.target_tokens, r.records) for r in results}) == 1
     for r in results[1:]:
         assert r.cross_entropy == pytest.approx(results[0].cross_entropy, rel=1e-6)
 
 
 def test_eval_skips_and_counts_records_that_do_not_fit(
-    workflow: Workflow, tokenizer: Tokenizer, make_jsonl: Callable[..., Path], tmp_path: Path
+    tmp_path: Path,
+    tokenizer: Tokenizer,
+    make_jsonl: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
 ) -> None:
     short = {"source": "reverse cat dog:", "target": " dog cat"}
     long = {"source": "the cat sat on the mat " * 10, "target": " mat"}
-    path = make_jsonl(tmp_path / "mixed.jsonl", [short, long, short, long, long])
-    model = build_model(workflow, torch.device("cpu"))
-    result = evaluate_task(
-        model,
-        tokenizer,
-        EvalSpec(task="retrieval_planning", data=str(path)),
-        sequence_length=SEQ,
-        batch_size=2,
-        step=0,
-        phase="p",
-    )
-    fits, too_long = encode_records(
-        tokenizer, [(short["source"], short["target"]), (long["source"], long["target"])]
-    )
-    assert len(fits.ids) <= SEQ + 1 < len(too_long.ids)
-    assert (result.records, result.oversized_records) == (2, 3)
-    assert result.target_tokens == 2 * fits.target_len
+    fitted = MIXED[3]  # too long as written; fits once its passage is trimmed
+    path = make_jsonl(tmp_path / "mixed.jsonl", [short, long, fitted, short, long, long])
+    data = load_eval_data(tokenizer, spec("retrieval_planning", path), sequence_length=SEQ)
+    result = evaluate_task(make_model(), data, batch_size=2, step=0, phase="p")
+
+    records = read_records(str(path))
+    encoded = encode_records(tokenizer, records, sequence_length=SEQ)
+    assert [e.report.fits for e in encoded] == [True, False, True, True, False, False]
+    assert encoded[2].report.trimmed_segments == (1,)
+    assert (result.records, result.oversized_records) == (3, 3)
+    assert result.target_tokens == 2 * encoded[0].target_count + encoded[2].target_count
+
+
+def test_an_eval_record_without_target_tokens_is_an_error_naming_file_and_line(
+    tmp_path: Path, tokenizer: Tokenizer, make_jsonl: Callable[..., Path]
+) -> None:
+    path = make_jsonl(tmp_path / "zero.jsonl", [MIXED[0], {"source": "cat", "target": ""}])
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:2: eval record of task"):
+        load_eval_data(tokenizer, spec("instruction_tuning", path), sequence_length=SEQ)
+
+
+def test_an_eval_file_of_the_wrong_kind_is_an_error(
+    tmp_path: Path, tokenizer: Tokenizer, make_jsonl: Callable[..., Path]
+) -> None:
+    supervised = make_jsonl(tmp_path / "sup.jsonl", [MIXED[0], {"text": "the cat"}])
+    with pytest.raises(DataError, match=f"^{re.escape(str(supervised))}:2: a text record"):
+        load_eval_data(tokenizer, spec("qa_reasoning", supervised), sequence_length=SEQ)
+    with pytest.raises(DataError, match=f"^{re.escape(str(supervised))}:1: a pair record"):
+        load_eval_data(tokenizer, spec("continued_pretrain", supervised), sequence_length=SEQ)
+
+
+def test_an_eval_file_with_nothing_that_fits_is_an_error(
+    tmp_path: Path,
+    tokenizer: Tokenizer,
+    make_jsonl: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
+) -> None:
+    path = make_jsonl(tmp_path / "long.jsonl", [{"source": "cat " * 50, "target": " dog"}])
+    data = load_eval_data(tokenizer, spec("summarization", path), sequence_length=SEQ)
+    with pytest.raises(DataError, match=r"nothing to evaluate .* \(1 records too long\)"):
+        evaluate_task(make_model(), data, batch_size=2, step=0, phase="p")
 
 
 def test_pretraining_eval_predicts_every_token_after_the_first_once(
-    workflow: Workflow, tokenizer: Tokenizer, make_text_file: Callable[..., Path]
+    tokenizer: Tokenizer,
+    make_text_file: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
 ) -> None:
     path = make_text_file(documents=17)
-    model = build_model(workflow, torch.device("cpu"))
-    result = evaluate_task(
-        model,
-        tokenizer,
-        EvalSpec(task="continued_pretrain", data=str(path)),
-        sequence_length=SEQ,
-        batch_size=4,
-        step=0,
-        phase="p",
-    )
-    tokens = encode_texts(tokenizer, read_texts(str(path)))
+    model = make_model()
+    data = load_eval_data(tokenizer, spec("continued_pretrain", path), sequence_length=SEQ)
+    result = evaluate_task(model, data, batch_size=4, step=0, phase="p")
+    encoded = encode_records(tokenizer, read_records(str(path)), sequence_length=None)
+    tokens = [t for e in encoded for t in e.ids.tolist()]
     assert result.target_tokens == len(tokens) - 1
-    assert result.records == 17
+    assert (result.records, result.oversized_records) == (17, 0)
     # Windows whose inputs do not overlap, cut by hand, give the same loss.
-    (pad,) = [i for t, i in tokenizer.get_vocab().items() if t == PAD_TOKEN]
+    _, pad_id = special_token_ids(tokenizer)
     windows = [tokens[s : s + SEQ + 1] for s in range(0, len(tokens) - 1, SEQ)]
+    assert len(windows[-1]) < SEQ + 1  # the last, short window is evaluated too
     model.eval()
     with torch.no_grad():
         nll = 0.0
-        for window in windows:
-            nll += objective_loss(model, stack_rows([window_row(window, SEQ, pad)]))[0].item()
+        for w in windows:
+            row = window_row(np.array(w), len(w) - 1, pad_id)
+            nll += objective_loss(model, stack_rows([row]))[0].item()
     assert result.cross_entropy == pytest.approx(nll / (len(tokens) - 1), rel=1e-5)
 
 
-def test_eval_restores_train_mode_and_leaves_no_gradients(
-    workflow: Workflow, tokenizer: Tokenizer, make_pairs_file: Callable[..., Path]
+@pytest.mark.parametrize("training", [True, False])
+def test_eval_restores_the_model_mode_and_leaves_no_gradients(
+    training: bool,
+    tokenizer: Tokenizer,
+    make_pairs_file: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
 ) -> None:
-    model = build_model(workflow, torch.device("cpu"))
-    assert model.training
-    evaluate_task(
-        model,
-        tokenizer,
-        EvalSpec(task="summarization", data=str(make_pairs_file(records=5))),
-        sequence_length=SEQ,
-        batch_size=2,
-        step=0,
-        phase="p",
+    model = make_model().train(training)
+    data = load_eval_data(
+        tokenizer, spec("summarization", make_pairs_file(records=5)), sequence_length=SEQ
     )
-    assert model.training
+    evaluate_task(model, data, batch_size=2, step=0, phase="p")
+    assert model.training is training
+    assert all(m.training is training for m in model.modules())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_evaluate_checkpoint_gives_the_number_evaluate_task_gives_for_the_same_model(
+    tmp_path: Path,
+    tokenizer_path: Path,
+    tokenizer: Tokenizer,
+    make_jsonl: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
+) -> None:
+    path = make_jsonl(tmp_path / "eval.jsonl", MIXED)
+    model = make_model(seed=3)
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(checkpoint)
+    shutil.copy(tokenizer_path, checkpoint / "tokenizer.json")
+
+    data = load_eval_data(tokenizer, spec("qa_reasoning", path), sequence_length=SEQ)
+    expected = evaluate_task(model, data, batch_size=8, step=0, phase="")
+    request = {"checkpoint": str(checkpoint), "task": "qa_reasoning", "data": str(path)}
+    result = evaluate_checkpoint(EvaluateRequest(**request, sequence_length=SEQ))
+    assert result.cross_entropy == pytest.approx(expected.cross_entropy, rel=1e-6)
+    assert result.model_dump() == {
+        **expected.model_dump(),
+        "cross_entropy": result.cross_entropy,
+        "perplexity": result.perplexity,
+    }
+
+    # A trainctl checkpoint names its step and phase; a tokenizer may be given explicitly.
+    (checkpoint / "state.json").write_text(json.dumps({"step": 12, "phase_name": "sft"}))
+    (checkpoint / "tokenizer.json").unlink()
+    again = evaluate_checkpoint(
+        EvaluateRequest(**request, tokenizer=str(tokenizer_path), sequence_length=SEQ, batch_size=1)
+    )
+    assert (again.step, again.phase) == (12, "sft")
+    assert again.cross_entropy == pytest.approx(expected.cross_entropy, rel=1e-6)
+
+
+def test_evaluate_checkpoint_refuses_a_directory_without_a_model(
+    tmp_path: Path, tokenizer_path: Path
+) -> None:
+    request = EvaluateRequest(
+        checkpoint=str(tmp_path),
+        task="summarization",
+        data=str(tmp_path / "x.jsonl"),
+        tokenizer=str(tokenizer_path),
+        sequence_length=SEQ,
+    )
+    with pytest.raises(ConfigError, match="no config\\.json"):
+        evaluate_checkpoint(request)
+
+
+# --- the step loss --------------------------------------------------------------------------
+
+
+def microbatch(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], *, source: int) -> Batch:
+    records = [
+        parse_record("f.jsonl", i + 1, json.dumps({"source": s, "target": t}))
+        for i, (s, t) in enumerate(pairs)
+    ]
+    _, pad_id = special_token_ids(tokenizer)
+    encoded = encode_records(tokenizer, records, sequence_length=SEQ)
+    return stack_rows([record_row(e, SEQ, pad_id) for e in encoded], source=source)
+
+
+def test_the_step_loss_is_its_total_nll_over_its_target_tokens_not_a_mean_of_means(
+    tokenizer: Tokenizer, make_model: Callable[..., PreTrainedModel]
+) -> None:
+    microbatches = [
+        microbatch(
+            tokenizer, [("the cat:", " the big red bird flew over the roof quickly")], source=0
+        ),
+        microbatch(tokenizer, [("a", " b"), ("the dog:", " sat")], source=1),
+        microbatch(tokenizer, [("cat", " dog")], source=0),
+    ]
+    counts = [b.target_tokens for b in microbatches]
+    assert len(set(counts)) == 3
+    model = make_model()
+    with torch.no_grad():
+        nlls = [objective_loss(model, b)[0].item() for b in microbatches]
+    expected = sum(nlls) / sum(counts)
+    mean_of_means = sum(n / c for n, c in zip(nlls, counts, strict=True)) / len(counts)
+    assert abs(expected - mean_of_means) > 1e-3  # the two definitions differ on this data
+
+    step = backward_step(model, microbatches)
+    assert step.loss.item() == pytest.approx(expected, rel=1e-6)
+    assert not step.loss.requires_grad
+    assert set(step.by_source) == {0, 1}
+    assert step.by_source[0][0].item() == pytest.approx(nlls[0] + nlls[2], rel=1e-6)
+    assert step.by_source[0][1] == counts[0] + counts[2]
+    assert step.by_source[1][0].item() == pytest.approx(nlls[1], rel=1e-6)
+    assert step.by_source[1][1] == counts[1]
+
+    # The accumulated gradient is the gradient of that one loss.
+    accumulated = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    total = sum(objective_loss(model, b)[0] for b in microbatches) / sum(counts)
+    assert isinstance(total, torch.Tensor)
+    total.backward()
+    direct = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(direct) == len(accumulated) > 0
+    for a, d in zip(accumulated, direct, strict=True):
+        torch.testing.assert_close(a, d, rtol=1e-5, atol=1e-7)
+
+
+def test_a_step_without_target_tokens_is_an_error(
+    tokenizer: Tokenizer, make_model: Callable[..., PreTrainedModel]
+) -> None:
+    _, pad_id = special_token_ids(tokenizer)
+    inputs = torch.full((1, SEQ), pad_id)
+    empty = Batch(input_ids=inputs, labels=torch.full((1, SEQ), -100), target_tokens=0)
+    with pytest.raises(ValueError, match="without target tokens"):
+        backward_step(make_model(), [empty])
