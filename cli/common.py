@@ -21,6 +21,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
+RunId = Annotated[str, typer.Argument(help="The run's id (run_...), as `runs list` shows it.")]
 
 
 def client() -> ApiClient:

@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli.client import ApiClient
 from cli.stack import free_port, spawn, stop, wait_healthy
+from cli.watch import watch
 
-TERMINAL = {"succeeded", "failed", "cancelled"}
 console = Console()
 
 
@@ -32,31 +31,6 @@ def eval_table(answer: dict[str, Any]) -> Table:
             f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-",
         )
     return table
-
-
-def watch(api: ApiClient, run_id: str, *, timeout: float) -> dict[str, Any]:
-    """Show a progress bar until the run ends; return the final run."""
-    deadline = time.monotonic() + timeout
-    run = api.get(f"/runs/{run_id}")
-    with Progress(
-        TextColumn("[bold]{task.fields[phase]}"),
-        BarColumn(),
-        TextColumn("step {task.completed}/{task.total}"),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
-        bar = progress.add_task("run", total=run["total_steps"], phase="queued", status="")
-        while run["status"] not in TERMINAL:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f} s")
-            time.sleep(0.5)
-            run = api.get(f"/runs/{run_id}")
-            progress.update(
-                bar, completed=run["step"], phase=run.get("phase") or "-", status=run["status"]
-            )
-    return run
 
 
 def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[str, float, float]]:
@@ -93,7 +67,8 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
                 f"run [bold]{run['id']}[/bold]: {run['total_steps']} steps, {phases} phases"
             )
             started = time.monotonic()
-            run = watch(api, run["id"], timeout=timeout)
+            watch(api, run["id"], timeout=timeout, console=console, poll=0.5)
+            run = api.get(f"/runs/{run['id']}")
             elapsed = time.monotonic() - started
             if run["status"] != "succeeded":
                 console.print(

@@ -16,12 +16,15 @@ import typer
 from rich.table import Table
 
 from cli.common import (
+    EXIT_API,
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     JsonOpt,
+    RunId,
     call,
     console,
     err_console,
+    fail,
     load_workflow,
 )
 from cli.config import get_settings
@@ -215,7 +218,7 @@ def runs_create(
 
 @runs_app.command("resume")
 def runs_resume(
-    run_id: str,
+    run_id: RunId,
     workflow: Annotated[
         Path | None,
         typer.Option(help="Workflow JSON file; omitted: the run's stored workflow."),
@@ -261,13 +264,13 @@ def _control(run_id: str, action: str, as_json: bool) -> None:
 
 
 @runs_app.command("pause")
-def runs_pause(run_id: str, as_json: JsonOpt = False) -> None:
+def runs_pause(run_id: RunId, as_json: JsonOpt = False) -> None:
     """Ask the worker to checkpoint and stop; `runs resume` continues from that checkpoint."""
     _control(run_id, "pause", as_json)
 
 
 @runs_app.command("cancel")
-def runs_cancel(run_id: str, as_json: JsonOpt = False) -> None:
+def runs_cancel(run_id: RunId, as_json: JsonOpt = False) -> None:
     """Stop a run for good, without a new checkpoint."""
     _control(run_id, "cancel", as_json)
 
@@ -295,7 +298,7 @@ def runs_list(as_json: JsonOpt = False) -> None:
 
 
 @runs_app.command("show")
-def runs_show(run_id: str, as_json: JsonOpt = False) -> None:
+def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
     """Show one run: status, progress, latest checkpoint and attempts."""
     run = call("GET", f"/runs/{run_id}")
     if as_json:
@@ -313,12 +316,51 @@ def runs_show(run_id: str, as_json: JsonOpt = False) -> None:
         )
 
 
+@runs_app.command("watch")
+def runs_watch(
+    run_id: RunId,
+    timeout: Annotated[float, typer.Option(help="Give up (exit 1) after this many seconds.")] = 7
+    * 24
+    * 3600,
+    poll: Annotated[float, typer.Option(min=0.1, help="Seconds between updates.")] = 1.0,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print a JSON object per change instead of a progress bar."),
+    ] = False,
+) -> None:
+    """Follow a run: phase, step, tokens/s, ETA and restarts, until it finishes or pauses.
+    Exit 0 when it succeeded, 1 when it failed, was cancelled or paused."""
+    from cli.client import ApiError
+    from cli.common import client
+    from cli.watch import watch
+
+    try:
+        with client() as api:
+            state = watch(api, run_id, timeout=timeout, console=console, poll=poll, as_json=as_json)
+    except ApiError as err:
+        raise fail(f"{err.message} [{err.code}]", EXIT_API) from err
+    except TimeoutError as err:
+        raise fail(str(err), EXIT_FAILED) from err
+    if state["status"] != "succeeded":
+        if not as_json:
+            why = f": {state['cause']}: {state['message']}" if state.get("cause") else ""
+            err_console.print(f"run {run_id} {state['status']}{why}", markup=False)
+        raise typer.Exit(EXIT_FAILED)
+
+
 @runs_app.command("eval")
-def runs_eval(run_id: str, as_json: JsonOpt = False) -> None:
-    """Per-task evaluation: baseline, latest and best perplexity."""
+def runs_eval(
+    run_id: RunId,
+    max_points: Annotated[
+        int | None, typer.Option(min=1, help="Keep at most this many history points per task.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Per-task evaluation: baseline, latest and best perplexity (history with --json)."""
     from cli.demo import eval_table
 
-    answer = call("GET", f"/runs/{run_id}/eval")
+    params = {"max_points": max_points} if max_points else {}
+    answer = call("GET", f"/runs/{run_id}/eval", params=params)
     if as_json:
         print(json.dumps(answer, indent=2))
     else:

@@ -1,0 +1,122 @@
+"""Following a run until it stops: a progress bar for people, JSON lines for scripts.
+
+Polls `GET /runs/{id}` and the latest `tokens_per_s` once per `poll` seconds; a run stops being
+watched when it is finished or paused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from cli.client import ApiClient
+
+# A watched run stops being followed in these states (paused waits for a resume).
+STOPPED = frozenset({"succeeded", "failed", "cancelled", "paused"})
+
+
+def snapshot(api: ApiClient, run_id: str) -> dict[str, Any]:
+    """What `watch` shows of a run now."""
+    run = api.get(f"/runs/{run_id}")
+    speed = api.get(
+        f"/runs/{run_id}/metrics", params={"names": "tokens_per_s", "max_points": 1}
+    ).get("tokens_per_s", {"values": []})["values"]
+    return {
+        "id": run["id"],
+        "status": run["status"],
+        "phase": run.get("phase"),
+        "step": run["step"],
+        "total_steps": run["total_steps"],
+        "tokens_per_s": speed[-1] if speed else None,
+        "restarts": run.get("restarts", 0),
+        "preemptions": run.get("preemptions", 0),
+        "cause": run.get("cause"),
+        "message": run.get("message"),
+    }
+
+
+def watch(
+    api: ApiClient,
+    run_id: str,
+    *,
+    timeout: float,
+    console: Console,
+    poll: float = 1.0,
+    as_json: bool = False,
+) -> dict[str, Any]:
+    """Follow the run until it stops (see STOPPED) and return its last snapshot. With
+    `as_json`, print a JSON line whenever the snapshot changes, instead of a progress bar.
+    Raises TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    state = snapshot(api, run_id)
+    if as_json:
+        print(json.dumps(state), flush=True)
+        while state["status"] not in STOPPED:
+            _wait(deadline, poll, run_id, timeout)
+            new = snapshot(api, run_id)
+            if new != state:
+                print(json.dumps(new), flush=True)
+            state = new
+        return state
+    with Progress(
+        TextColumn("[bold]{task.fields[phase]}"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("{task.fields[speed]}"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[restarts]}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        f = _fields(state)
+        bar = progress.add_task(
+            "run",
+            total=state["total_steps"],
+            completed=state["step"],
+            phase=f["phase"],
+            speed=f["speed"],
+            restarts=f["restarts"],
+            status=f["status"],
+        )
+        while state["status"] not in STOPPED:
+            _wait(deadline, poll, run_id, timeout)
+            state = snapshot(api, run_id)
+            f = _fields(state)
+            progress.update(
+                bar,
+                completed=state["step"],
+                phase=f["phase"],
+                speed=f["speed"],
+                restarts=f["restarts"],
+                status=f["status"],
+            )
+    return state
+
+
+def _fields(state: dict[str, Any]) -> dict[str, str]:
+    speed = state["tokens_per_s"]
+    recoveries = state["restarts"] + state["preemptions"]
+    return {
+        "phase": state["phase"] or "-",
+        "speed": f"{speed:,.0f} tok/s" if speed is not None else "- tok/s",
+        "restarts": f"{recoveries} restarts" if recoveries else "",
+        "status": state["status"],
+    }
+
+
+def _wait(deadline: float, poll: float, run_id: str, timeout: float) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"run {run_id} still running after {timeout:.0f} s")
+    time.sleep(poll)
