@@ -1,268 +1,25 @@
-"""Jobs (contracts.jobs): dataset inspections and standalone evaluations, run on workers.
-
-`POST` stores the job and its outbox row in one transaction and answers 202; the message goes
-out after the commit (service.dispatch), so a broker outage delays a job and never fails the
-request. A worker starts the job and posts its outcome over `/internal/jobs/{id}/...`; the
-first outcome is kept, a repeat of it is answered as before, and a different one is 409.
-
-The functions above the routes take a session and plain values, so they are tested without
-FastAPI.
-"""
+"""Routes of jobs (service.job): `POST /datasets/inspect`, `POST /evaluations`, their reads,
+and the worker's `/internal/jobs/{id}/start|result`."""
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
-from pathlib import Path
-from typing import Any
-
 from fastapi import APIRouter, BackgroundTasks, Depends, Response, status
-from pydantic import BaseModel, ValidationError
-from sqlalchemy import update
-from sqlalchemy.orm import Session
 
-from contracts.jobs import EvaluateRequest, InspectionReport, InspectRequest, JobKind, JobOutcome
+from contracts.jobs import EvaluateRequest, InspectRequest, JobOutcome
 from contracts.jobs import Job as JobPublic
-from contracts.reports import EvalResult
-from service.db import rowcount
 from service.deps import PumpDep, SessionDep, SettingsDep, require_admin, require_worker
 from service.dispatch import OutboxPump
-from service.errors import ApiError, not_found, validation_details
-from service.models import Job, OutboxMessage, new_job_id, utcnow
-
-# What a succeeded job's result must parse as.
-RESULT_MODELS: dict[str, type[BaseModel]] = {
-    "inspection": InspectionReport,
-    "evaluation": EvalResult,
-}
-# Where each kind is read back, and how a client makes one.
-_PUBLIC = {
-    "inspection": ("/datasets/inspections", "POST /datasets/inspect starts an inspection"),
-    "evaluation": ("/evaluations", "POST /evaluations starts an evaluation"),
-}
-# The file of a tokenizer saved in a checkpoint directory (worker.model.load_tokenizer).
-TOKENIZER_FILE = "tokenizer.json"
-
-
-# --- paths ---------------------------------------------------------------------------------
-
-
-def resolve_path(value: str, data_root: Path) -> str:
-    """A relative path made absolute against `data_root`, as workflow paths are
-    (contracts.workflow.resolve_paths); an absolute or unusable one unchanged."""
-    if value and not Path(value).is_absolute():
-        try:
-            return str((data_root / value).resolve())
-        except (OSError, ValueError):  # a NUL byte, a name too long: reported by the checks
-            return value
-    return value
-
-
-def _path_problem(path: str, kind: str) -> str | None:
-    """Why `path` is not an existing `kind` ("file", "directory" or "path"), or None."""
-    if "\0" in path:
-        return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
-    try:
-        target = Path(path)
-        found = target.exists()
-        right_kind = {"file": target.is_file, "directory": target.is_dir}.get(kind, target.exists)
-        if not found:
-            return f"{'file' if kind == 'path' else kind} {path} not found"
-        if not right_kind():
-            return f"{path} is not a {'regular file' if kind == 'file' else kind}"
-    except (OSError, ValueError) as err:
-        return f"{path[:200]!r} is not a usable path ({err})"
-    return None
-
-
-def _refuse(where: str, problems: list[dict[str, str]]) -> ApiError:
-    summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
-    if len(problems) > 3:
-        summary += f" (and {len(problems) - 3} more)"
-    return ApiError(422, "invalid_request", f"{where}: {summary}", problems)
-
-
-def resolve_inspect(request: InspectRequest, *, data_root: Path) -> InspectRequest:
-    """The request with its paths resolved against `data_root`; 422 `invalid_request` naming
-    each field whose file does not exist."""
-    resolved = request.model_copy(
-        update={
-            "path": resolve_path(request.path, data_root),
-            "tokenizer": resolve_path(request.tokenizer, data_root),
-        }
-    )
-    checks = [("path", resolved.path, "file"), ("tokenizer", resolved.tokenizer, "path")]
-    problems = [
-        {"path": field, "message": why}
-        for field, path, kind in checks
-        if (why := _path_problem(path, kind))
-    ]
-    if problems:
-        raise _refuse("POST /datasets/inspect", problems)
-    return resolved
-
-
-def resolve_evaluate(request: EvaluateRequest, *, data_root: Path) -> EvaluateRequest:
-    """The request with its paths resolved against `data_root`; 422 `invalid_request` naming
-    each field whose file does not exist, and `tokenizer` when it is omitted and the checkpoint
-    directory holds none."""
-    tokenizer = request.tokenizer
-    resolved = request.model_copy(
-        update={
-            "checkpoint": resolve_path(request.checkpoint, data_root),
-            "data": resolve_path(request.data, data_root),
-            "tokenizer": None if tokenizer is None else resolve_path(tokenizer, data_root),
-        }
-    )
-    checks = [("checkpoint", resolved.checkpoint, "directory"), ("data", resolved.data, "file")]
-    if resolved.tokenizer is not None:
-        checks.append(("tokenizer", resolved.tokenizer, "path"))
-    problems = [
-        {"path": field, "message": why}
-        for field, path, kind in checks
-        if (why := _path_problem(path, kind))
-    ]
-    checkpoint = Path(resolved.checkpoint)
-    if resolved.tokenizer is None and not problems and not (checkpoint / TOKENIZER_FILE).is_file():
-        problems.append(
-            {
-                "path": "tokenizer",
-                "message": f"checkpoint {checkpoint} holds no {TOKENIZER_FILE}; give `tokenizer`",
-            }
-        )
-    if problems:
-        raise _refuse("POST /evaluations", problems)
-    return resolved
-
-
-# --- jobs ----------------------------------------------------------------------------------
-
-
-def create_job(*, session: Session, kind: JobKind, request: BaseModel) -> Job:
-    """Insert a queued job and its outbox row, and commit: the dispatcher sends it after."""
-    job = Job(id=new_job_id(), kind=kind, status="queued", request=request.model_dump(mode="json"))
-    session.add(job)
-    session.flush()
-    session.add(OutboxMessage(job_id=job.id))
-    session.commit()
-    return job
-
-
-def get_job(*, session: Session, job_id: str, kind: JobKind | None = None) -> Job:
-    """The job (of `kind`, when given); 404 `<kind>_not_found` otherwise."""
-    job = session.get(Job, job_id, populate_existing=True)
-    if kind is not None and (job is None or job.kind != kind):
-        raise not_found(kind, job_id, _PUBLIC[kind][1])
-    if job is None:
-        raise not_found("job", job_id, "drop this message: no such job exists")
-    return job
-
-
-def _finished(job: Job) -> ApiError:
-    return ApiError(
-        409,
-        "job_finished",
-        f"job {job.id} ({job.kind}) already {job.status} at {_iso(job.finished_at)}; drop this "
-        "message: messages may be delivered twice, a job's first outcome is the one kept",
-        {"job_id": job.id, "status": job.status},
-    )
-
-
-def start_job(*, session: Session, job_id: str) -> Job:
-    """Mark the job running (again, when a message is delivered twice or a worker died on it);
-    404 when unknown, 409 `job_finished` once it has an outcome."""
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status.in_(("queued", "running")))
-        .values(status="running", started_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
-    if rowcount(result) != 1:
-        session.rollback()
-        raise _finished(get_job(session=session, job_id=job_id))
-    session.commit()
-    return get_job(session=session, job_id=job_id)
-
-
-def checked_outcome(kind: str, outcome: JobOutcome) -> tuple[dict[str, Any] | None, str | None]:
-    """(result, error) to store: a succeeded job's result parsed as its kind's model
-    (InspectionReport, contracts.reports.EvalResult), a failed job's message. 422 otherwise."""
-    if outcome.status == "failed":
-        if not (outcome.error or "").strip():
-            raise _refuse(
-                "a failed job's outcome", [{"path": "error", "message": "say why the job failed"}]
-            )
-        return None, outcome.error
-    model = RESULT_MODELS[kind]
-    if outcome.result is None:
-        message = f"is required: a succeeded {kind} carries its {model.__name__}"
-        raise _refuse("a succeeded job's outcome", [{"path": "result", "message": message}])
-    try:
-        result = model.model_validate(outcome.result).model_dump(mode="json")
-    except ValidationError as err:
-        errors = [{**e, "loc": ("body", "result", *e["loc"])} for e in err.errors()]
-        where = f"a succeeded {kind}'s result is not an {model.__name__}"
-        raise _refuse(where, validation_details(errors)) from None
-    try:
-        json.dumps(result, allow_nan=False)
-    except ValueError:
-        message = "holds a non-finite number (NaN or infinity), which JSON cannot carry"
-        raise _refuse(
-            "a succeeded job's outcome", [{"path": "result", "message": message}]
-        ) from None
-    return result, None
-
-
-def finish_job(*, session: Session, job_id: str, outcome: JobOutcome) -> Job:
-    """Store a running job's outcome, once (a conditional UPDATE: the first outcome wins). The
-    same outcome again answers the job as stored; another one is 409 `job_finished`, and an
-    outcome for a job never started 409 `job_not_started`."""
-    job = get_job(session=session, job_id=job_id)
-    result, error = checked_outcome(job.kind, outcome)
-    values: dict[str, Any] = {"status": outcome.status, "error": error, "finished_at": utcnow()}
-    if result is not None:
-        values["result"] = result
-    won = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == "running")
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
-    if rowcount(won) == 1:
-        session.commit()
-        return get_job(session=session, job_id=job_id)
-    session.rollback()
-    job = get_job(session=session, job_id=job_id)
-    if (job.status, job.result, job.error) == (outcome.status, result, error):
-        return job
-    if job.status == "queued":
-        raise ApiError(
-            409,
-            "job_not_started",
-            f"job {job.id} is queued; POST /internal/jobs/{job.id}/start before its result",
-            {"job_id": job.id, "status": job.status},
-        )
-    raise _finished(job)
-
-
-def _iso(moment: datetime | None) -> str | None:
-    return None if moment is None else moment.isoformat()
-
-
-def job_public(job: Job) -> JobPublic:
-    return JobPublic.model_validate(
-        {
-            "id": job.id,
-            "kind": job.kind,
-            "status": job.status,
-            "request": job.request,
-            "result": job.result,
-            "error": job.error,
-            "created_at": job.created_at.isoformat(),
-            "finished_at": _iso(job.finished_at),
-        }
-    )
-
+from service.job import (
+    PUBLIC,
+    create_job,
+    finish_job,
+    get_job,
+    job_public,
+    resolve_evaluate,
+    resolve_inspect,
+    start_job,
+)
+from service.models import Job
 
 # --- routes --------------------------------------------------------------------------------
 
@@ -273,7 +30,7 @@ internal = APIRouter(
 
 
 def _accepted(job: Job, response: Response, background: BackgroundTasks, pump: OutboxPump) -> None:
-    response.headers["Location"] = f"{_PUBLIC[job.kind][0]}/{job.id}"
+    response.headers["Location"] = f"{PUBLIC[job.kind][0]}/{job.id}"
     # After the response: a slow or dead broker never delays or fails the submission.
     background.add_task(pump.dispatch)
 
