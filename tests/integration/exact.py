@@ -26,15 +26,30 @@ def workflow(objective: str, *, steps: int = STEPS) -> dict[str, Any]:
     doc["model"]["config"]["attention_dropout"] = 0.1
     doc["checkpoint"] = {"every_steps": 4, "keep_last": 2}
     doc["evals"] = [{**e, "every_steps": 4} for e in doc["evals"] if e["task"] == objective]
-    doc["phases"] = [
-        {
-            **source,
-            "sequence_length": 64,
-            "microbatch_size": 8,
-            "steps": steps,
-            "schedule": {"kind": "cosine", "warmup_steps": 4},
-        }
-    ]
+    phase = {
+        **source,
+        "sequence_length": 64,
+        "microbatch_size": 8,
+        "steps": steps,
+        "schedule": {"kind": "cosine", "warmup_steps": 4},
+    }
+    if objective != "continued_pretrain":
+        # A supervised phase mixes packed records with replayed pretraining text at its own
+        # geometry, two microbatches a step: exactness must hold for the whole data path.
+        pretrain = next(p for p in doc["phases"] if p["objective"] == "continued_pretrain")
+        phase["grad_accum"] = 2
+        phase["data"] = [
+            *source["data"],
+            {
+                "name": "replay",
+                "path": pretrain["data"][0]["path"],
+                "weight": 0.25,
+                "objective": "continued_pretrain",
+                "sequence_length": 128,
+                "microbatch_size": 4,
+            },
+        ]
+    doc["phases"] = [phase]
     return doc
 
 
