@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 PACKAGES := contracts service worker cli
 
-.PHONY: install demo test lint format services unit integration bench clean
+.PHONY: install demo test lint format services browser unit integration bench clean
 
 # torch==2.13.0 first, so that the `worker` extra's range is already satisfied and pip never
 # resolves a (multi-GB, CUDA) torch of its own.
@@ -24,6 +24,10 @@ demo: $(STAMP)
 services:
 	bash scripts/services.sh
 
+# Debian's chromium and chromium-driver for the dashboard's browser tests (tests/e2e).
+browser:
+	bash scripts/install_browser.sh
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(PACKAGES) migrations tests bench examples
 	$(VENV)/bin/ruff format --check $(PACKAGES) migrations tests bench examples
@@ -40,8 +44,8 @@ unit: $(STAMP)
 integration: $(STAMP) services
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) tests/integration
 
-test: $(STAMP) services lint
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15 tests/unit tests/integration
+test: $(STAMP) services browser lint
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15 tests/unit tests/integration tests/e2e
 
 bench: $(STAMP)
 	$(PY) bench/train_throughput.py

@@ -1,0 +1,315 @@
+"""`GET /runs/{id}/events`: a run's live progress as server-sent events.
+
+Each event has a name and one JSON object as its `data:`:
+
+- `run`: the run as `GET /runs/{id}` answers it. Sent first, then whenever it changes (status,
+  phase, step, attempts, latest checkpoint); a change of heartbeat times alone is not sent.
+- `metrics`: new training metric points as columns, the shape `GET /runs/{id}/metrics` answers:
+  `{"series": {"loss": {"steps": [...], "values": [...]}, ...}}`.
+- `evals`: new evaluation results, `{"points": [{"task", "step", "phase", "cross_entropy",
+  "perplexity", "records", "target_tokens", "oversized_records"}, ...]}`.
+- `rewind`: `{"step", "attempt"}`: an attempt resumed from `step`, and the service dropped the
+  run's metric points and evaluations after it (they come again as that attempt reports them).
+- `end`: `{"status"}`, after the final `run`, `metrics` and `evals` of a finished run; then the
+  stream closes. A client that reconnects to a finished run gets its final state and `end` again.
+- `error`: `{"message"}` when the database stopped answering; the stream closes and the client
+  reconnects with the steps it has.
+
+A comment line (`: ping - <time>`) every HEARTBEAT_SECONDS keeps proxies from closing an idle
+stream. `metrics_after` and `evals_after` skip the steps a client already read with
+`GET /runs/{id}/metrics` and `/eval` (default: everything, from step 0, in batches).
+
+The stream polls the database (POLL_SECONDS) for rows after the steps it sent, per metric name and
+per task, in short sessions: an open stream holds no database connection between polls. Auth is
+the bearer header, as for every read; the dashboard reads the stream with fetch() so that the
+token never appears in a URL (EventSource cannot send headers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Query, Request
+from sqlalchemy import and_, not_, or_, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from service.attempt import phase_start
+from service.deps import Credentials, require_admin
+from service.errors import is_unavailable
+from service.models import FINISHED_RUN_STATUSES, Attempt, Checkpoint, EvalResult, MetricPoint, Run
+from service.run import get_run, run_public
+from service.series import json_float
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["runs"])
+
+POLL_SECONDS = 1.0
+HEARTBEAT_SECONDS = 15.0
+# Rows per `metrics` or `evals` event: a client that starts from step 0 gets the history in
+# batches, one right after the other, instead of one event of every point the run has.
+MAX_ROWS_PER_EVENT = 5000
+# What workers report every step (worker/trainer.py); `names` asks for others.
+DEFAULT_METRICS = ("loss", "lr", "lr_muon", "grad_norm", "tokens_per_s")
+# Fields of a run that change with every heartbeat; a change of these alone is not an event.
+_HEARTBEAT_FIELDS = ("updated_at", "recovery_seconds")
+
+Event = tuple[str, dict[str, Any]]
+
+
+def _progress(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's public view without what every heartbeat changes."""
+    kept = {k: v for k, v in run.items() if k not in _HEARTBEAT_FIELDS}
+    kept["attempts"] = [
+        {k: v for k, v in a.items() if k != "heartbeat_at"} for a in run["attempts"]
+    ]
+    return kept
+
+
+@dataclass
+class StepCursor:
+    """The last step sent per key (metric name or eval task); keys not seen yet start at
+    `after`. Keys are unique per step in both tables, so "after the last step sent" is exact."""
+
+    after: int
+    sent: dict[str, int] = field(default_factory=dict)
+
+    def last(self, key: str) -> int:
+        return self.sent.get(key, self.after)
+
+    def advance(self, key: str, step: int) -> None:
+        self.sent[key] = max(step, self.last(key))
+
+    def rewind(self, step: int) -> None:
+        """Forget what was sent after `step` (the service deleted it)."""
+        self.after = min(self.after, step)
+        self.sent = {key: min(last, step) for key, last in self.sent.items()}
+
+    def highest(self) -> int:
+        return max([self.after, *self.sent.values()])
+
+
+@dataclass
+class Poll:
+    events: list[Event]
+    finished: bool  # the run is finished and everything it reported has been sent
+    more: bool  # a batch was full: poll again at once
+
+
+@dataclass
+class RunEvents:
+    """What one stream has sent of one run; `poll` reads what changed since and advances."""
+
+    run_id: str
+    names: Sequence[str]
+    metrics: StepCursor
+    evals: StepCursor
+    claimed: set[str] | None = None  # attempts seen claimed; None before the first poll
+    progress: dict[str, Any] | None = None
+
+    def poll(self, session: Session) -> Poll:
+        # The run first, the rows after: once it reads finished, the rows read next include
+        # everything it reported (reports after the finish are refused).
+        run = get_run(session=session, run_id=self.run_id)
+        events: list[Event] = []
+        public = run_public(session=session, run=run).model_dump(mode="json")
+        progress = _progress(public)
+        if progress != self.progress:
+            self.progress = progress
+            events.append(("run", public))
+        events.extend(self._rewinds(session, run))
+        metrics, more_metrics = self._metrics(session)
+        evals, more_evals = self._evals(session)
+        events += [*metrics, *evals]
+        more = more_metrics or more_evals
+        finished = run.status in FINISHED_RUN_STATUSES and not more
+        if finished:
+            events.append(("end", {"status": run.status}))
+        return Poll(events=events, finished=finished, more=more)
+
+    def _rewinds(self, session: Session, run: Run) -> list[Event]:
+        """A newly claimed attempt deleted the points after the step it starts from."""
+        claims = session.execute(
+            select(Attempt.id, Attempt.number, Attempt.phase_index, Attempt.resume_checkpoint_id)
+            .where(Attempt.run_id == run.id, Attempt.claimed_at.is_not(None))
+            .order_by(Attempt.number)
+        ).all()
+        if self.claimed is None:
+            self.claimed = {claim.id for claim in claims}
+            return []
+        events: list[Event] = []
+        for claim in claims:
+            if claim.id in self.claimed:
+                continue
+            self.claimed.add(claim.id)
+            resumed = (
+                None
+                if claim.resume_checkpoint_id is None
+                else session.get(Checkpoint, claim.resume_checkpoint_id)
+            )
+            start = resumed.step if resumed is not None else phase_start(run, claim.phase_index)
+            if start < max(self.metrics.highest(), self.evals.highest()):
+                self.metrics.rewind(start)
+                self.evals.rewind(start)
+                events.append(("rewind", {"step": start, "attempt": claim.number}))
+        return events
+
+    def _metrics(self, session: Session) -> tuple[list[Event], bool]:
+        # One index range per name (the primary key is run, name, step): no scan of old rows.
+        rows = session.execute(
+            select(MetricPoint.name, MetricPoint.step, MetricPoint.value)
+            .where(
+                MetricPoint.run_id == self.run_id,
+                or_(
+                    *(
+                        and_(MetricPoint.name == name, MetricPoint.step > self.metrics.last(name))
+                        for name in self.names
+                    )
+                ),
+            )
+            .order_by(MetricPoint.name, MetricPoint.step)
+            .limit(MAX_ROWS_PER_EVENT)
+        ).all()
+        if not rows:
+            return [], False
+        series: dict[str, dict[str, list[Any]]] = {}
+        for name, step, value in rows:
+            column = series.setdefault(name, {"steps": [], "values": []})
+            column["steps"].append(step)
+            column["values"].append(json_float(value))
+            self.metrics.advance(name, step)
+        return [("metrics", {"series": series})], len(rows) == MAX_ROWS_PER_EVENT
+
+    def _evals(self, session: Session) -> tuple[list[Event], bool]:
+        # Evaluations are few (tasks x cadence): one filter over the run's rows is cheap.
+        sent = [
+            and_(EvalResult.task == task, EvalResult.step <= step)
+            for task, step in self.evals.sent.items()
+        ]
+        rows = session.execute(
+            select(
+                EvalResult.task,
+                EvalResult.step,
+                EvalResult.phase,
+                EvalResult.cross_entropy,
+                EvalResult.perplexity,
+                EvalResult.records,
+                EvalResult.target_tokens,
+                EvalResult.oversized_records,
+            )
+            .where(
+                EvalResult.run_id == self.run_id,
+                EvalResult.step > self.evals.after,
+                *(not_(condition) for condition in sent),
+            )
+            .order_by(EvalResult.step, EvalResult.task)
+            .limit(MAX_ROWS_PER_EVENT)
+        ).all()
+        if not rows:
+            return [], False
+        points = []
+        for task, step, phase, ce, ppl, records, target_tokens, oversized in rows:
+            points.append(
+                {
+                    "task": task,
+                    "step": step,
+                    "phase": phase,
+                    "cross_entropy": json_float(ce),
+                    "perplexity": json_float(ppl),
+                    "records": records,
+                    "target_tokens": target_tokens,
+                    "oversized_records": oversized,
+                }
+            )
+            self.evals.advance(task, step)
+        return [("evals", {"points": points})], len(rows) == MAX_ROWS_PER_EVENT
+
+
+def _poll_once(sessions: sessionmaker[Session], stream: RunEvents) -> Poll:
+    with sessions() as session:
+        return stream.poll(session)
+
+
+def _encode(name: str, data: dict[str, Any]) -> ServerSentEvent:
+    # allow_nan=False: values are finite or null already (json_float); anything else is a bug.
+    return ServerSentEvent(
+        json.dumps(data, separators=(",", ":"), allow_nan=False), event=name, sep="\n"
+    )
+
+
+async def stream_run_events(
+    *, sessions: sessionmaker[Session], stream: RunEvents, poll_seconds: float = POLL_SECONDS
+) -> AsyncIterator[ServerSentEvent]:
+    """The events of `stream`'s run until it is finished. Polls in a worker thread (the
+    database calls block); the event loop only sleeps between polls."""
+    while True:
+        try:
+            poll = await anyio.to_thread.run_sync(partial(_poll_once, sessions, stream))
+        except SQLAlchemyError as err:
+            if not is_unavailable(err):
+                raise
+            log.warning("events of run %s: database unavailable (%s)", stream.run_id, err)
+            message = "the database does not answer; reconnect shortly with the steps you have"
+            yield _encode("error", {"message": message})
+            return
+        for name, data in poll.events:
+            yield _encode(name, data)
+        if poll.finished:
+            return
+        if not poll.more:
+            await anyio.sleep(poll_seconds)
+
+
+def _names(names: str | None) -> tuple[str, ...]:
+    wanted = tuple(n.strip() for n in (names or "").split(",") if n.strip())
+    return wanted or DEFAULT_METRICS
+
+
+@router.get(
+    "/runs/{run_id}/events",
+    responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+)
+def read_events(
+    run_id: str,
+    request: Request,
+    credentials: Credentials,
+    metrics_after: Annotated[
+        int, Query(ge=-1, description="send metric points after this step only")
+    ] = -1,
+    evals_after: Annotated[
+        int, Query(ge=-1, description="send evaluations after this step only")
+    ] = -1,
+    names: Annotated[
+        str | None,
+        Query(description=f"comma-separated metric names (default: {','.join(DEFAULT_METRICS)})"),
+    ] = None,
+) -> EventSourceResponse:
+    """Server-sent events of the run's progress until it finishes (see the module docstring
+    of service/routes/events.py for the events and their data)."""
+    sessions: sessionmaker[Session] = request.app.state.session_factory
+    # Authorise and look the run up in a session of its own, closed before the stream starts:
+    # a stream that lasts hours must not hold a pooled connection.
+    with sessions() as session:
+        require_admin(session, credentials)
+        get_run(session=session, run_id=run_id)
+    stream = RunEvents(
+        run_id=run_id,
+        names=_names(names),
+        metrics=StepCursor(after=metrics_after),
+        evals=StepCursor(after=evals_after),
+    )
+    return EventSourceResponse(
+        stream_run_events(sessions=sessions, stream=stream),
+        ping=HEARTBEAT_SECONDS,
+        sep="\n",
+        # A client that stops reading (a frozen tab) is dropped instead of buffering forever.
+        send_timeout=60,
+    )

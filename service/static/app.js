@@ -1,0 +1,602 @@
+// The dashboard: a runs table (#/) and a run page (#/runs/<id>) that follows the run's events.
+// Data from the API is always inserted as text (textContent), never as markup.
+
+import { ApiError, followRunEvents, forgetToken, getJson, getToken, setToken } from "./api.js";
+import {
+  destroyPlot,
+  evalChart,
+  formatNumber,
+  lossChart,
+  lrChart,
+  setEvalData,
+  setLossData,
+  setLrData,
+} from "./charts.js";
+
+const METRICS = ["loss", "lr", "lr_muon"];
+// Points per series in the first read of a run; live points are added at full resolution.
+const MAX_POINTS = 2000;
+const RUNS_REFRESH_MS = 5000;
+const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
+
+const $ = (selector) => document.querySelector(selector);
+
+// Everything the open page holds, so that leaving it stops its timers, stream and charts.
+let page = null;
+
+// Read by the browser tests and handy in the console: the open run page's state and charts.
+window.trainctl = { page: null };
+
+// --- small DOM helpers ------------------------------------------------------------------
+
+function el(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attributes)) {
+    if (value === undefined || value === null) continue;
+    if (key === "class") node.className = value;
+    else if (key === "dataset") Object.assign(node.dataset, value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : String(child));
+  }
+  return node;
+}
+
+function show(view) {
+  for (const id of ["token-view", "runs-view", "run-view"]) $(`#${id}`).hidden = id !== view;
+  $("#forget-token").hidden = !getToken();
+}
+
+function showMessage(text) {
+  const box = $("#message");
+  box.textContent = text;
+  box.hidden = false;
+}
+
+function clearMessage() {
+  $("#message").hidden = true;
+  $("#message").textContent = "";
+}
+
+function statusBadge(status) {
+  return el("span", { class: `status status-${status}` }, status);
+}
+
+function ago(iso) {
+  if (!iso) return "–";
+  const seconds = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
+  if (seconds < 60) return `${Math.round(seconds)} s`;
+  if (seconds < 3600) return `${Math.round(seconds / 60)} min`;
+  if (seconds < 86400) return `${(seconds / 3600).toFixed(1)} h`;
+  return `${(seconds / 86400).toFixed(1)} d`;
+}
+
+function when(iso) {
+  if (!iso) return "–";
+  const date = new Date(iso);
+  const pad = (n) => String(n).padStart(2, "0");
+  return (
+    `${date.getFullYear()}-${pad(date.getMonth() + 1)}-${pad(date.getDate())} ` +
+    `${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`
+  );
+}
+
+function phaseLabel(run) {
+  const phases = run.plan.phases;
+  if (run.phase === null) return "–";
+  return `${run.phase} (${run.phase_index + 1} of ${phases.length})`;
+}
+
+// --- errors and the token -------------------------------------------------------------------
+
+function handleError(err) {
+  if (err instanceof ApiError && err.unauthorized) {
+    forgetToken();
+    stopPage();
+    show("token-view");
+    const what =
+      err.status === 401
+        ? "The service did not accept the token"
+        : "This token may not read runs (the dashboard needs an admin token)";
+    showMessage(`${what} (${err.status} ${err.code}): ${err.message}`);
+    $("#token-input").focus();
+    return;
+  }
+  if (err instanceof ApiError) {
+    showMessage(`${err.status} ${err.code}: ${err.message}`);
+    return;
+  }
+  if (err && err.name === "AbortError") return;
+  showMessage(`The service could not be reached: ${err && err.message ? err.message : err}`);
+}
+
+$("#token-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const token = $("#token-input").value.trim();
+  if (!token) return;
+  setToken(token);
+  $("#token-input").value = "";
+  clearMessage();
+  route();
+});
+
+$("#forget-token").addEventListener("click", () => {
+  forgetToken();
+  stopPage();
+  clearMessage();
+  route();
+});
+
+// --- routing ----------------------------------------------------------------------------------
+
+function stopPage() {
+  if (!page) return;
+  page.abort.abort();
+  for (const timer of page.timers) clearInterval(timer);
+  if (page.plots) {
+    destroyPlot(page.plots.loss);
+    destroyPlot(page.plots.lr);
+    for (const plot of Object.values(page.plots.evals)) destroyPlot(plot);
+  }
+  page = null;
+  window.trainctl.page = null;
+}
+
+function route() {
+  stopPage();
+  if (!getToken()) {
+    show("token-view");
+    $("#token-input").focus();
+    return;
+  }
+  const match = location.hash.match(/^#\/runs\/([^/?#]+)$/);
+  if (match) openRun(decodeURIComponent(match[1]));
+  else openRuns();
+}
+
+window.addEventListener("hashchange", () => {
+  clearMessage();
+  route();
+});
+
+// --- the runs table ---------------------------------------------------------------------------
+
+function openRuns() {
+  show("runs-view");
+  page = { kind: "runs", abort: new AbortController(), timers: [] };
+  const current = page;
+  const load = async () => {
+    try {
+      const data = await getJson("/runs", { limit: 100 }, { signal: current.abort.signal });
+      if (page === current) renderRuns(data);
+    } catch (err) {
+      if (page === current) handleError(err);
+    }
+  };
+  load();
+  page.timers.push(setInterval(load, RUNS_REFRESH_MS));
+}
+
+function renderRuns({ runs, count }) {
+  const body = $("#runs-table tbody");
+  body.replaceChildren(
+    ...runs.map((run) =>
+      el(
+        "tr",
+        { dataset: { runId: run.id, status: run.status } },
+        el(
+          "td",
+          {},
+          el("a", { href: `#/runs/${encodeURIComponent(run.id)}` }, run.name),
+          el("div", { class: "muted mono" }, run.id),
+        ),
+        el("td", {}, statusBadge(run.status)),
+        el("td", {}, phaseLabel(run)),
+        el(
+          "td",
+          { class: "num" },
+          `${run.step} / ${run.total_steps}`,
+          el("div", { class: "mini-progress" }, progressBar(run.step, run.total_steps)),
+        ),
+        el("td", { class: "num" }, `${run.restarts} / ${run.max_restarts}`),
+        el("td", { class: "num" }, `${run.preemptions} / ${run.max_preemptions}`),
+        el("td", { class: "num", title: when(run.created_at) }, ago(run.created_at)),
+      ),
+    ),
+  );
+  $("#runs-table").hidden = runs.length === 0;
+  $("#runs-empty").hidden = runs.length !== 0;
+  $("#runs-count").textContent = count > runs.length ? `${runs.length} newest of ${count}` : `${count}`;
+}
+
+function progressBar(step, total) {
+  const bar = el("div", { class: "progress-bar" });
+  bar.style.width = `${total ? Math.min(100, (100 * step) / total) : 0}%`;
+  return bar;
+}
+
+// --- the run page -----------------------------------------------------------------------------
+
+function emptySeries() {
+  return { steps: [], values: [] };
+}
+
+// Put points into a series kept sorted by step; a step already there takes the new value.
+function mergeSeries(series, steps, values) {
+  steps.forEach((step, i) => {
+    const n = series.steps.length;
+    if (n === 0 || step > series.steps[n - 1]) {
+      series.steps.push(step);
+      series.values.push(values[i]);
+      return;
+    }
+    let lo = 0;
+    let hi = n;
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (series.steps[mid] < step) lo = mid + 1;
+      else hi = mid;
+    }
+    if (series.steps[lo] === step) series.values[lo] = values[i];
+    else {
+      series.steps.splice(lo, 0, step);
+      series.values.splice(lo, 0, values[i]);
+    }
+  });
+}
+
+function truncateSeries(series, step) {
+  const keep = series.steps.findIndex((s) => s > step);
+  if (keep === -1) return;
+  series.steps.length = keep;
+  series.values.length = keep;
+}
+
+function lastStep(series) {
+  return series.steps.length ? series.steps[series.steps.length - 1] : null;
+}
+
+function bestOf(history) {
+  let best = null;
+  for (const point of history) {
+    if (point.cross_entropy === null) continue;
+    if (best === null || point.cross_entropy < best.cross_entropy) best = point;
+  }
+  return best;
+}
+
+function newestClaim(run) {
+  const claimed = run.attempts.filter((a) => a.claimed_at);
+  return claimed.length ? claimed[claimed.length - 1].id : null;
+}
+
+function phaseBoundaries(run) {
+  return run.plan.phases.map((phase) => ({ step: phase.first_step - 1, name: phase.name }));
+}
+
+async function openRun(runId) {
+  show("run-view");
+  const current = {
+    kind: "run",
+    runId,
+    abort: new AbortController(),
+    timers: [],
+    run: null,
+    metrics: Object.fromEntries(METRICS.map((name) => [name, emptySeries()])),
+    evals: {},
+    checkpointStep: null,
+    plots: null,
+    live: "connecting",
+    events: 0,
+    redrawQueued: false,
+  };
+  page = current;
+  window.trainctl.page = current;
+  setLive("connecting");
+  const { signal } = current.abort;
+  try {
+    const [run, metrics, evals, checkpoints] = await Promise.all([
+      getJson(`/runs/${encodeURIComponent(runId)}`, {}, { signal }),
+      getJson(`/runs/${encodeURIComponent(runId)}/metrics`, { names: METRICS.join(","), max_points: MAX_POINTS }, { signal }),
+      getJson(`/runs/${encodeURIComponent(runId)}/eval`, { max_points: MAX_POINTS }, { signal }),
+      getJson(`/runs/${encodeURIComponent(runId)}/checkpoints`, {}, { signal }),
+    ]);
+    if (page !== current) return;
+    current.run = run;
+    for (const name of METRICS) {
+      if (metrics[name]) mergeSeries(current.metrics[name], metrics[name].steps, metrics[name].values);
+    }
+    for (const [task, summary] of Object.entries(evals.tasks)) {
+      current.evals[task] = { baseline: summary.baseline, best: summary.best, history: [...summary.history] };
+    }
+    const boundaries = () => (current.run ? phaseBoundaries(current.run) : []);
+    current.plots = {
+      loss: lossChart($("#loss-chart"), boundaries),
+      lr: lrChart($("#lr-chart"), boundaries),
+      evals: {},
+      boundaries,
+    };
+    $("#eval-charts").replaceChildren();
+    renderRun(current);
+    renderCheckpoints(checkpoints);
+    current.checkpointStep = run.latest_checkpoint ? run.latest_checkpoint.step : null;
+    redraw(current);
+  } catch (err) {
+    if (page === current) handleError(err);
+    return;
+  }
+  follow(current);
+}
+
+function follow(current) {
+  let knownClaim = newestClaim(current.run);
+  let first = true;
+  followRunEvents(current.runId, {
+    signal: current.abort.signal,
+    cursor: () => cursor(current),
+    onState: (state) => {
+      if (page !== current) return;
+      if (state === "live") first = true;
+      setLive(state);
+    },
+    onError: (err) => page === current && handleError(err),
+    on: {
+      run: (run) => {
+        current.events += 1;
+        // An attempt claimed while no stream was open (before the first, or between a drop
+        // and the reconnect) may have dropped points this page holds: read everything again.
+        const claim = newestClaim(run);
+        if (first && claim !== knownClaim) {
+          stopPage();
+          openRun(current.runId);
+          return;
+        }
+        first = false;
+        knownClaim = claim;
+        current.run = run;
+        renderRun(current);
+        const step = run.latest_checkpoint ? run.latest_checkpoint.step : null;
+        if (step !== current.checkpointStep) {
+          current.checkpointStep = step;
+          refreshCheckpoints(current);
+        }
+        queueRedraw(current);
+      },
+      metrics: ({ series }) => {
+        current.events += 1;
+        for (const [name, column] of Object.entries(series)) {
+          if (!current.metrics[name]) current.metrics[name] = emptySeries();
+          mergeSeries(current.metrics[name], column.steps, column.values);
+        }
+        queueRedraw(current);
+      },
+      evals: ({ points }) => {
+        current.events += 1;
+        for (const point of points) addEval(current, point);
+        queueRedraw(current);
+      },
+      rewind: ({ step }) => {
+        current.events += 1;
+        for (const series of Object.values(current.metrics)) truncateSeries(series, step);
+        for (const task of Object.values(current.evals)) {
+          task.history = task.history.filter((p) => p.step <= step);
+          task.best = bestOf(task.history);
+        }
+        queueRedraw(current);
+      },
+      end: () => {
+        current.events += 1;
+      },
+      error: ({ message }) => {
+        current.events += 1;
+        showMessage(`Live updates interrupted: ${message}`);
+      },
+    },
+  });
+}
+
+// What the page has: the stream sends only what comes after (a repeat is harmless).
+function cursor(current) {
+  const metricSteps = METRICS.map((name) => lastStep(current.metrics[name])).filter((s) => s !== null);
+  const evalSteps = Object.values(current.evals)
+    .map((task) => (task.history.length ? task.history[task.history.length - 1].step : null))
+    .filter((s) => s !== null);
+  return {
+    names: METRICS.join(","),
+    metrics_after: metricSteps.length ? Math.min(...metricSteps) : -1,
+    evals_after: evalSteps.length ? Math.min(...evalSteps) : -1,
+  };
+}
+
+function addEval(current, point) {
+  const { task, ...rest } = point;
+  const entry = (current.evals[task] ||= { baseline: null, best: null, history: [] });
+  const at = entry.history.findIndex((p) => p.step >= rest.step);
+  if (at === -1) entry.history.push(rest);
+  else if (entry.history[at].step === rest.step) entry.history[at] = rest;
+  else entry.history.splice(at, 0, rest);
+  if (rest.step === 0) entry.baseline = rest;
+  if (rest.cross_entropy !== null && (entry.best === null || rest.cross_entropy < entry.best.cross_entropy)) {
+    entry.best = rest;
+  }
+}
+
+async function refreshCheckpoints(current) {
+  try {
+    const checkpoints = await getJson(
+      `/runs/${encodeURIComponent(current.runId)}/checkpoints`,
+      {},
+      { signal: current.abort.signal },
+    );
+    if (page === current) renderCheckpoints(checkpoints);
+  } catch (err) {
+    if (page === current) handleError(err);
+  }
+}
+
+function setLive(state) {
+  const badge = $("#live");
+  const labels = {
+    connecting: "connecting…",
+    live: "live",
+    reconnecting: "reconnecting…",
+    ended: "finished: no more updates",
+    stopped: "not following",
+  };
+  badge.dataset.state = state;
+  badge.textContent = labels[state] || state;
+  if (page) page.live = state;
+}
+
+function renderRun(current) {
+  const { run } = current;
+  document.title = `${run.name} · trainctl`;
+  $("#run-title").textContent = run.name;
+  const status = $("#run-status");
+  status.className = `status status-${run.status}`;
+  status.textContent = run.status;
+  const message = $("#run-message");
+  const text = run.cause || run.message ? [run.cause, run.message].filter(Boolean).join(": ") : "";
+  message.textContent = text;
+  message.hidden = !text;
+  const latest = run.latest_checkpoint ? `step ${run.latest_checkpoint.step}` : "none";
+  const facts = [
+    ["Run", run.id],
+    ["Phase", phaseLabel(run)],
+    ["Step", `${run.step} / ${run.total_steps}`],
+    ["Restarts", `${run.restarts} / ${run.max_restarts}`],
+    ["Preemptions", `${run.preemptions} / ${run.max_preemptions}`],
+    ["Recovery", `${run.recovery_seconds.toFixed(1)} s`],
+    ["Latest checkpoint", latest],
+    ["Created", `${when(run.created_at)} (${ago(run.created_at)} ago)`],
+    ["Finished", when(run.finished_at)],
+    ["Signature", run.signature.slice(0, 16)],
+  ];
+  $("#run-facts").replaceChildren(
+    ...facts.map(([term, value]) => el("div", {}, el("dt", {}, term), el("dd", {}, value))),
+  );
+  $("#run-progress").style.width = `${run.total_steps ? Math.min(100, (100 * run.step) / run.total_steps) : 0}%`;
+  renderAttempts(run.attempts, run.plan.phases);
+}
+
+function renderAttempts(attempts, phases) {
+  $("#attempts-table tbody").replaceChildren(
+    ...[...attempts]
+      .sort((a, b) => b.number - a.number)
+      .map((a) =>
+        el(
+          "tr",
+          { dataset: { attempt: a.number, status: a.status } },
+          el("td", { class: "num" }, a.number),
+          el("td", {}, phases[a.phase_index] ? phases[a.phase_index].name : a.phase_index),
+          el("td", {}, statusBadge(a.status)),
+          el("td", { class: "mono" }, a.worker_hostname ? `${a.worker_hostname}:${a.worker_pid}` : "–"),
+          el("td", {}, when(a.claimed_at)),
+          el("td", {}, when(a.finished_at)),
+          el("td", { title: a.message || "" }, a.cause || "–"),
+        ),
+      ),
+  );
+}
+
+function renderCheckpoints({ checkpoints }) {
+  const phases = page && page.run ? page.run.plan.phases : [];
+  $("#checkpoints-table tbody").replaceChildren(
+    ...[...checkpoints]
+      .sort((a, b) => b.step - a.step)
+      .map((c) =>
+        el(
+          "tr",
+          { dataset: { step: c.step } },
+          el("td", { class: "num" }, c.step),
+          el("td", {}, phases[c.phase_index] ? phases[c.phase_index].name : c.phase_index),
+          el("td", { class: "num" }, c.phase_step),
+          el("td", {}, when(c.created_at)),
+          el("td", { class: "mono path", title: c.path }, c.path),
+        ),
+      ),
+  );
+  $("#checkpoints-table").hidden = checkpoints.length === 0;
+  $("#checkpoints-empty").hidden = checkpoints.length !== 0;
+}
+
+function queueRedraw(current) {
+  if (current.redrawQueued) return;
+  current.redrawQueued = true;
+  requestAnimationFrame(() => {
+    current.redrawQueued = false;
+    if (page === current) redraw(current);
+  });
+}
+
+function redraw(current) {
+  const { plots, metrics } = current;
+  setLossData(plots.loss, metrics.loss);
+  setLrData(plots.lr, metrics.lr, metrics.lr_muon);
+  renderEvals(current);
+}
+
+function change(latest, baseline) {
+  if (!latest || !baseline || !baseline.perplexity || latest.perplexity === null) return null;
+  return (100 * (latest.perplexity - baseline.perplexity)) / baseline.perplexity;
+}
+
+// Latest vs baseline perplexity, as "−12.3%" with a class saying whether that is better.
+function changeBadge(tag, percent, extraClass = "") {
+  if (percent === null) return el(tag, { class: extraClass }, "–");
+  const sign = percent > 0 ? "+" : percent < 0 ? "−" : "±";
+  const kind = percent < 0 ? "better" : percent > 0 ? "worse" : "same";
+  return el(tag, { class: `${extraClass} change ${kind}`.trim() }, `${sign}${Math.abs(percent).toFixed(1)}%`);
+}
+
+function renderEvals(current) {
+  const tasks = Object.keys(current.evals).sort();
+  const rows = [];
+  for (const task of tasks) {
+    const entry = current.evals[task];
+    const latest = entry.history.length ? entry.history[entry.history.length - 1] : null;
+    const percent = change(latest, entry.baseline);
+    rows.push(
+      el(
+        "tr",
+        { dataset: { task } },
+        el("td", {}, task),
+        el("td", { class: "num" }, entry.baseline ? formatNumber(entry.baseline.perplexity) : "–"),
+        el("td", { class: "num" }, latest ? formatNumber(latest.perplexity) : "–"),
+        changeBadge("td", percent, "num"),
+        el("td", { class: "num" }, entry.best ? `${formatNumber(entry.best.perplexity)} @ ${entry.best.step}` : "–"),
+        el("td", { class: "num" }, latest ? latest.step : "–"),
+      ),
+    );
+    let plot = current.plots.evals[task];
+    if (!plot) {
+      const holder = el("div", { class: "chart", id: `eval-chart-${task}` });
+      const caption = el("figcaption", { class: "eval-caption" });
+      $("#eval-charts").append(el("figure", { class: "card chart-card", dataset: { task } }, caption, holder));
+      plot = evalChart(holder, task, current.plots.boundaries);
+      current.plots.evals[task] = plot;
+    }
+    const caption = $(`#eval-charts figure[data-task="${CSS.escape(task)}"] figcaption`);
+    caption.replaceChildren(
+      el("strong", {}, task),
+      " ",
+      el(
+        "span",
+        { class: "muted" },
+        entry.baseline && latest
+          ? `baseline ${formatNumber(entry.baseline.perplexity)} → latest ${formatNumber(latest.perplexity)} at step ${latest.step}`
+          : "no baseline yet",
+      ),
+      " ",
+      percent === null ? "" : changeBadge("span", percent),
+    );
+    setEvalData(plot, entry.history, entry.baseline, current.run ? current.run.step : 0);
+  }
+  $("#eval-table tbody").replaceChildren(...rows);
+  $("#eval-table").hidden = tasks.length === 0;
+  $("#eval-empty").hidden = tasks.length !== 0;
+}
+
+route();

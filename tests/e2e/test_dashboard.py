@@ -1,0 +1,261 @@
+"""The dashboard in real headless Chromium (Debian's chromium and chromedriver, through selenium)
+against a live `trainctl serve` holding a finished run and a running one.
+
+Screenshots are kept in tests/e2e/artifacts/: run-page.png (a running run, after a live update),
+finished-run-page.png and runs-table.png.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_support import (
+    TASKS,
+    TOTAL_STEPS,
+    LiveStack,
+    eval_results,
+    live_stack,
+    metric_points,
+    perplexity_at,
+)
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+pytestmark = pytest.mark.integration
+
+WAIT_SECONDS = 20
+# How the page writes a negative change (U+2212, not a hyphen).
+MINUS = "\u2212"
+SUMMARIZATION_CHANGE = "#eval-table tr[data-task='summarization'] td.change"
+
+
+def wait_for(driver: WebDriver, script: str, what: str) -> Any:
+    """The first truthy value of a JavaScript expression, polled until WAIT_SECONDS."""
+    try:
+        return WebDriverWait(driver, WAIT_SECONDS, poll_frequency=0.2).until(
+            lambda d: d.execute_script(f"return ({script});")
+        )
+    except Exception as err:
+        raise AssertionError(
+            f"{what}: `{script}` stayed false for {WAIT_SECONDS} s\n{console(driver)}"
+        ) from err
+
+
+def console(driver: WebDriver) -> list[dict[str, Any]]:
+    """The browser console's messages since the last call."""
+    return list(driver.get_log("browser"))
+
+
+def assert_no_console_errors(driver: WebDriver) -> None:
+    errors = [m for m in console(driver) if m["level"] in ("SEVERE", "ERROR")]
+    assert not errors, f"console errors: {errors}"
+
+
+def sign_in(driver: WebDriver, live: LiveStack) -> None:
+    """Open the dashboard and enter the token in its form, as a person does."""
+    driver.get(live.url + "/")
+    wait_for(driver, "!document.querySelector('#token-view').hidden", "the token form shows")
+    driver.find_element(By.ID, "token-input").send_keys(live.admin_token)
+    driver.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+
+
+def open_run(driver: WebDriver, live: LiveStack, run_id: str) -> None:
+    sign_in(driver, live)
+    wait_for(driver, "!document.querySelector('#runs-view').hidden", "the runs table shows")
+    driver.get(f"{live.url}/#/runs/{run_id}")
+    wait_for(
+        driver,
+        "window.trainctl.page && window.trainctl.page.plots !== null && "
+        "window.trainctl.page.plots.loss.data[0].length > 0",
+        "the run page draws its loss chart",
+    )
+
+
+def chart_points(driver: WebDriver, chart: str) -> list[list[Any]]:
+    """A uPlot chart's data columns ([steps, series...]) on the open run page."""
+    return list(driver.execute_script(f"return window.trainctl.page.plots.{chart}.data;"))
+
+
+def test_runs_table_lists_runs_once_a_token_is_entered_and_explains_a_rejected_token(
+    tmp_path: Path, postgres_url: str, redis_url: str, browser: WebDriver, artifacts: Path
+) -> None:
+    with live_stack(tmp_path, postgres_url, redis_url) as live:
+        finished = live.finished_run()
+        running, _ = live.running_run(until=38)
+
+        # A wrong token: the page says what the service answered and asks again.
+        browser.get(live.url + "/")
+        wait_for(browser, "!document.querySelector('#token-view').hidden", "the token form")
+        browser.find_element(By.ID, "token-input").send_keys("not-a-token")
+        browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+        message = wait_for(
+            browser,
+            "!document.querySelector('#message').hidden && "
+            "document.querySelector('#message').textContent",
+            "a message about the rejected token",
+        )
+        assert "did not accept the token" in message and "401" in message, message
+        assert browser.execute_script("return sessionStorage.getItem('trainctl.token');") is None
+        console(browser)  # the refused request is logged by the browser; that one is expected
+
+        browser.find_element(By.ID, "token-input").send_keys(live.admin_token)
+        browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+        wait_for(
+            browser, "document.querySelectorAll('#runs-table tbody tr').length === 2", "2 rows"
+        )
+        rows = {
+            row.get_attribute("data-run-id"): [
+                td.text for td in row.find_elements(By.TAG_NAME, "td")
+            ]
+            for row in browser.find_elements(By.CSS_SELECTOR, "#runs-table tbody tr")
+        }
+        assert set(rows) == {finished, running}
+        run_cell, status, phase, steps, restarts, preemptions, age = rows[finished]
+        assert finished in run_cell and "finished-e2e" in run_cell
+        assert status == "succeeded"
+        assert phase == "sft_planning (3 of 3)"
+        assert steps.startswith(f"{TOTAL_STEPS} / {TOTAL_STEPS}")
+        assert (restarts, preemptions) == ("0 / 3", "0 / 10")
+        assert age.endswith(("s", "min"))
+        assert rows[running][1:4] == [
+            "running",
+            "sft_summarization (2 of 3)",
+            f"38 / {TOTAL_STEPS}",
+        ]
+        browser.save_screenshot(str(artifacts / "runs-table.png"))
+        assert_no_console_errors(browser)
+
+        # The token is kept for the session: a reload goes straight to the table.
+        browser.refresh()
+        wait_for(browser, "document.querySelectorAll('#runs-table tbody tr').length === 2", "rows")
+        assert browser.execute_script("return document.querySelector('#token-view').hidden;")
+
+        # Following a run's link opens its page.
+        browser.find_element(By.LINK_TEXT, "running-e2e").click()
+        wait_for(
+            browser, "document.querySelector('#run-title').textContent === 'running-e2e'", "page"
+        )
+        assert_no_console_errors(browser)
+
+
+def test_run_page_draws_curves_and_baselines_and_follows_live_updates(
+    tmp_path: Path, postgres_url: str, redis_url: str, browser: WebDriver, artifacts: Path
+) -> None:
+    with live_stack(tmp_path, postgres_url, redis_url) as live:
+        # Phase 0 (steps 1-30) done, phase 1 at step 38: one phase boundary inside the curves.
+        run_id, worker = live.running_run(until=38)
+        run = live.run(run_id)
+        summarize = run["plan"]["phases"][1]
+        open_run(browser, live, run_id)
+        wait_for(browser, "window.trainctl.page.live === 'live'", "the page follows the events")
+
+        # Training curves: uPlot drew its canvas, with every reported step.
+        assert browser.execute_script(
+            "const c = document.querySelector('#loss-chart canvas'); return c && c.width > 0;"
+        )
+        steps, loss = chart_points(browser, "loss")
+        assert steps == list(range(1, 39)) and all(v is not None for v in loss)
+        lr_steps, lr, lr_muon = chart_points(browser, "lr")
+        assert lr_steps == steps and lr[0] is not None and lr_muon[0] is not None
+        # Phase boundaries come from the run's plan: the pretrain phase ends at step 30.
+        boundaries = browser.execute_script("return window.trainctl.page.plots.boundaries();")
+        assert [b["step"] for b in boundaries] == [0, 30, 45]
+        assert [b["name"] for b in boundaries][1] == "sft_summarization"
+
+        # Evaluations: one chart per task, perplexity and the baseline as a dashed line.
+        charts = browser.execute_script("return Object.keys(window.trainctl.page.plots.evals);")
+        assert sorted(charts) == sorted(TASKS)
+        for task in TASKS:
+            eval_steps, perplexity, baseline = browser.execute_script(
+                "return window.trainctl.page.plots.evals[arguments[0]].data;", task
+            )
+            assert eval_steps[:8] == [0, 5, 10, 15, 20, 25, 30, 35], task
+            assert perplexity[0] == pytest.approx(perplexity_at(task, 0))
+            # The reference line spans the chart at the baseline's value, and is shown.
+            assert baseline == [pytest.approx(perplexity_at(task, 0))] * len(eval_steps)
+            assert browser.execute_script(
+                "const s = window.trainctl.page.plots.evals[arguments[0]].series[2];"
+                "return s.show && s.label === 'baseline' && s.dash.length === 2;",
+                task,
+            )
+        change = browser.find_element(By.CSS_SELECTOR, SUMMARIZATION_CHANGE)
+        expected = 100 * (
+            perplexity_at("summarization", 35) / perplexity_at("summarization", 0) - 1
+        )
+        assert change.text == f"{MINUS}{abs(expected):.1f}%"
+        assert "better" in (change.get_attribute("class") or "")
+
+        # Checkpoints and attempts.
+        checkpoint_steps = [
+            int(row.get_attribute("data-step") or -1)
+            for row in browser.find_elements(By.CSS_SELECTOR, "#checkpoints-table tbody tr")
+        ]
+        assert checkpoint_steps == [30, 20, 10]
+        attempts = browser.find_elements(By.CSS_SELECTOR, "#attempts-table tbody tr")
+        assert [a.get_attribute("data-status") for a in attempts] == ["running", "succeeded"]
+
+        # Live: points reported after the page loaded appear without a reload.
+        worker.metrics([p for s in (39, 40) for p in metric_points(s, summarize)])
+        worker.evals(eval_results(40, summarize["name"]))
+        worker.checkpoint(40, 1, 10)
+        wait_for(
+            browser,
+            "window.trainctl.page.plots.loss.data[0].at(-1) === 40",
+            "the new loss points reach the chart",
+        )
+        wait_for(
+            browser,
+            "window.trainctl.page.plots.evals['summarization'].data[0].includes(40)",
+            "the new evaluation reaches its chart",
+        )
+        wait_for(
+            browser,
+            "document.querySelector('#checkpoints-table tbody tr').dataset.step === '40'",
+            "the new checkpoint is listed",
+        )
+        assert browser.find_element(By.CSS_SELECTOR, "#run-facts").text.count("40 / 60") == 1
+        expected = 100 * (
+            perplexity_at("summarization", 40) / perplexity_at("summarization", 0) - 1
+        )
+        # The table is drawn anew with each update: find the cell again.
+        change = browser.find_element(By.CSS_SELECTOR, SUMMARIZATION_CHANGE)
+        assert change.text == f"{MINUS}{abs(expected):.1f}%"
+
+        browser.save_screenshot(str(artifacts / "run-page.png"))
+        assert_no_console_errors(browser)
+
+
+def test_finished_run_page_shows_its_history_and_stops_following(
+    tmp_path: Path, postgres_url: str, redis_url: str, browser: WebDriver, artifacts: Path
+) -> None:
+    with live_stack(tmp_path, postgres_url, redis_url) as live:
+        run_id = live.finished_run()
+        open_run(browser, live, run_id)
+        # The stream sent the final state and `end`: the page says it stopped following.
+        wait_for(browser, "window.trainctl.page.live === 'ended'", "the stream ends")
+        assert browser.find_element(By.ID, "live").text == "finished: no more updates"
+        assert browser.find_element(By.ID, "run-status").text == "succeeded"
+
+        steps, _ = chart_points(browser, "loss")
+        assert steps == list(range(1, TOTAL_STEPS + 1))
+        checkpoints = browser.find_elements(By.CSS_SELECTOR, "#checkpoints-table tbody tr")
+        assert [int(c.get_attribute("data-step") or -1) for c in checkpoints] == [
+            60,
+            50,
+            45,
+            40,
+            30,
+            20,
+            10,
+        ]
+        attempts = browser.find_elements(By.CSS_SELECTOR, "#attempts-table tbody tr")
+        assert [a.get_attribute("data-status") for a in attempts] == ["succeeded"] * 3
+        latest = browser.find_element(
+            By.CSS_SELECTOR, "#eval-table tr[data-task='qa_reasoning'] td:nth-child(6)"
+        )
+        assert latest.text == str(TOTAL_STEPS)
+        browser.save_screenshot(str(artifacts / "finished-run-page.png"))
+        assert_no_console_errors(browser)
