@@ -9,11 +9,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from service import observability
 from service.db import make_engine, make_session_factory
 from service.dispatch import OutboxPump, make_celery
 from service.errors import install_error_handlers
+from service.observability import MetricsMiddleware, Observability
 from service.reaper import Reaper
-from service.routes import health, internal, runs, workflows
+from service.routes import dashboard, events, health, internal, jobs, runs, workflows
 from service.settings import ServiceSettings
 
 
@@ -57,10 +59,13 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.session_factory = session_factory
     app.state.pump = pump
     app.state.reaper = reaper
+    app.state.observability = Observability(session_factory)
     install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, observability=app.state.observability)
     app.add_middleware(internal.BodyLimit)
-    for module in (health, workflows, runs, internal):
+    for module in (health, workflows, runs, jobs, events, internal, observability, dashboard):
         app.include_router(module.router)
+    app.mount(dashboard.STATIC_PATH, dashboard.static_files(), name="static")
     return app
 
 
