@@ -283,7 +283,7 @@ def runs_list(as_json: JsonOpt = False) -> None:
         print(json.dumps(answer, indent=2))
         return
     table = Table()
-    for column in ("id", "name", "status", "phase", "step", "created"):
+    for column in ("id", "name", "status", "phase", "step", "restarts", "created"):
         table.add_column(column)
     for run in answer["runs"]:
         table.add_row(
@@ -292,6 +292,7 @@ def runs_list(as_json: JsonOpt = False) -> None:
             run["status"],
             run.get("phase") or "",
             f"{run['step']}/{run['total_steps']}",
+            str(run.get("restarts", 0) + run.get("preemptions", 0)),
             run["created_at"],
         )
     console.print(table)
@@ -344,7 +345,7 @@ def runs_watch(
     if state["status"] != "succeeded":
         if not as_json:
             why = f": {state['cause']}: {state['message']}" if state.get("cause") else ""
-            err_console.print(f"run {run_id} {state['status']}{why}", markup=False)
+            err_console.print(f"run {run_id} {state['status']}{why}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_FAILED)
 
 

@@ -231,6 +231,17 @@ def _fence(
     return _get_attempt(session, attempt_id)
 
 
+def newest_attempt(session: Session, run_id: str) -> Attempt | None:
+    """The run's newest attempt as it is now, unlocked."""
+    return session.scalars(
+        select(Attempt)
+        .where(Attempt.run_id == run_id)
+        .order_by(Attempt.number.desc())
+        .limit(1)
+        .execution_options(populate_existing=True)
+    ).first()
+
+
 def lock_current_attempt(session: Session, run_id: str) -> Attempt | None:
     """The run's newest attempt, its row locked. Attempt first, then run: the worker protocol
     (report, finish, claim) locks in that order, so resume, pause and cancel do too and cannot

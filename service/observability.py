@@ -9,7 +9,7 @@ Each app has its own registry, so several apps in one process (tests) do not col
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
@@ -18,9 +18,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.middleware.base import BaseHTTPMiddleware
-from starlette.routing import Match
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.models import Attempt, Job, Run
 
@@ -100,41 +98,47 @@ class Observability:
         self.registry.register(DatabaseCollector(session_factory))
 
 
-class MetricsMiddleware(BaseHTTPMiddleware):
+class MetricsMiddleware:
+    """Times each HTTP request and counts worker reports. Plain ASGI (not BaseHTTPMiddleware,
+    which would turn the body-limit middleware's 413 into a 400 by wrapping `receive`)."""
+
     def __init__(self, app: ASGIApp, observability: Observability) -> None:
-        super().__init__(app)
+        self.app = app
         self.observability = observability
 
-    async def dispatch(
-        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         started = time.perf_counter()
-        response = await call_next(request)
-        route = _route_template(request)
+        status = 500  # what the client gets when the app raises before answering
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self._observe(scope, status, time.perf_counter() - started)
+
+    def _observe(self, scope: Scope, status: int, seconds: float) -> None:
+        route = _route_template(scope)
         # An event stream lasts as long as its watcher; its "latency" would drown the rest.
         if route not in ("/metrics", "/runs/{run_id}/events"):
-            self.observability.requests.labels(
-                request.method, route, str(response.status_code)
-            ).observe(time.perf_counter() - started)
+            self.observability.requests.labels(scope["method"], route, str(status)).observe(seconds)
         kind = route.rsplit("/", 1)[-1]
-        if (
-            route.startswith("/internal/attempts/")
-            and kind in _REPORTS
-            and response.status_code < 300
-        ):
+        if route.startswith("/internal/attempts/") and kind in _REPORTS and status < 300:
             self.observability.reports.labels(kind).inc()
-        return response
 
 
-def _route_template(request: Request) -> str:
-    """`/runs/{run_id}` rather than the concrete path: bounded label values."""
-    if (route := request.scope.get("route")) is not None and hasattr(route, "path"):
-        return str(route.path)  # set by the router (Starlette >= 0.x) once it matched
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match == Match.FULL:
-            return str(getattr(route, "path", request.url.path))
-    return "unmatched"
+def _route_template(scope: Scope) -> str:
+    """`/runs/{run_id}` rather than the concrete path: bounded label values. The router
+    records the route it matched in the scope."""
+    route = scope.get("route")
+    return str(route.path) if route is not None and hasattr(route, "path") else "unmatched"
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -18,6 +18,7 @@ from service.attempt import (
     expire_attempt,
     is_active,
     lock_current_attempt,
+    newest_attempt,
 )
 from service.digest import resolve_digests
 from service.errors import ApiError
@@ -126,7 +127,9 @@ def resume_run(
         return run, None
     if current is not None:
         now = utcnow()
-        newest = lock_current_attempt(session, run_id)
+        # Read, not locked: with the run locked no attempt can be added, and locking it would
+        # deadlock with a resume that locked it first and now waits for the run.
+        newest = newest_attempt(session, run_id)
         if newest is not None and newest.id != current.id:
             # Another attempt was added while this request waited for the locks.
             _refuse(session, _run_active(run, newest))

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome
+from worker import metrics
 from worker.client import ServiceClient
 from worker.error import TrainingError
 from worker.settings import WorkerSettings
@@ -44,6 +45,7 @@ def run_job(
             log.info("%s job %s already has an outcome; dropping the message", kind, job_id)
             return None
         outcome = job_outcome(kind, request, settings=settings)
+        metrics.JOBS.labels(kind).inc()
         if outcome.status == "failed":
             log.error("%s job %s failed: %s", kind, job_id, outcome.error)
         if client.finish_job(job_id, outcome) is None:
