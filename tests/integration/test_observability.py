@@ -9,11 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Stack, cli, processes, short_demo_workflow, wait_for_run
+from procs import Stack, cli, processes, run_cli, short_demo_workflow, wait_for_run
 
 from cli.stack import free_port
 
 pytestmark = pytest.mark.integration
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def samples(text: str) -> dict[str, float]:
@@ -41,9 +43,19 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
             lines = [json.loads(line) for line in watched.stdout.splitlines()]
             run = wait_for_run(api, run["id"], timeout=60, procs=procs)
             service_metrics = samples(httpx.get(f"{stack.url}/metrics").text)
-            worker_metrics = samples(httpx.get(f"http://127.0.0.1:{worker_port}/metrics").text)
             api.get("/runs/run_doesnotexist")
             after = samples(httpx.get(f"{stack.url}/metrics").text)
+            # The read commands' --json is the API's answer.
+            evals = json.loads(
+                run_cli(["runs", "eval", run["id"], "--json", "--max-points", "2"], env=env)
+            )
+            shown = json.loads(run_cli(["runs", "show", run["id"], "--json"], env=env))
+            # An inspection through the API runs on the worker, like `data inspect` here.
+            remote = ["data", "inspect", str(EXAMPLES / "data" / "qa_rag.eval.jsonl"), "--remote"]
+            remote += ["--tokenizer", str(EXAMPLES / "tokenizer" / "tokenizer.json")]
+            remote += ["--objective", "qa_reasoning", "--sequence-length", "64", "--json"]
+            inspected = cli(remote, env=env)
+            worker_metrics = samples(httpx.get(f"http://127.0.0.1:{worker_port}/metrics").text)
         worker.stop()
         worker_log = worker.log.read_text().splitlines()
 
@@ -53,6 +65,13 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
     assert steps == sorted(steps) and steps[-1] == total
     assert lines[-1]["status"] == "succeeded" and lines[-1]["total_steps"] == total
     assert {"phase", "tokens_per_s", "restarts", "preemptions"} <= set(lines[-1])
+
+    assert shown["id"] == run["id"] and shown["status"] == "succeeded"
+    for summary in evals["tasks"].values():
+        assert [p["step"] for p in summary["history"]] == [0, total]
+    assert inspected.returncode == 1, inspected.stderr  # 3 records cannot fit: exit 1
+    report = json.loads(inspected.stdout)
+    assert (report["records"], report["refused"]) == (48, 3)
 
     # The service: runs and attempts by status, report ingest, request latency by route.
     assert service_metrics['trainctl_runs{status="succeeded"}'] == 1
@@ -71,6 +90,7 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
     assert worker_metrics["trainctl_worker_steps_total"] == total
     assert worker_metrics["trainctl_worker_step"] == total
     assert worker_metrics['trainctl_worker_attempts_total{status="succeeded"}'] == 3
+    assert worker_metrics['trainctl_worker_jobs_total{kind="inspection"}'] == 1
 
     # JSON logs: every line from an attempt names its run and attempt.
     records = [json.loads(line) for line in worker_log if line.startswith("{")]
