@@ -86,30 +86,35 @@ def summarize_evals(
     return tasks
 
 
+# An eval point as the API answers it, read straight from these columns.
+EVAL_COLUMNS = (
+    EvalResult.task,
+    EvalResult.step,
+    EvalResult.phase,
+    EvalResult.cross_entropy,
+    EvalResult.perplexity,
+    EvalResult.records,
+    EvalResult.target_tokens,
+    EvalResult.oversized_records,
+)
+
+
+def eval_point(row: Any) -> EvalPoint:
+    """A row of EVAL_COLUMNS as a JSON-able point (non-finite numbers as null)."""
+    task, step, phase, ce, ppl, records, target_tokens, oversized = row
+    return {
+        "task": task,
+        "step": step,
+        "phase": phase,
+        "cross_entropy": json_float(ce),
+        "perplexity": json_float(ppl),
+        "records": records,
+        "target_tokens": target_tokens,
+        "oversized_records": oversized,
+    }
+
+
 def eval_summary(*, session: Session, run_id: str, max_points: int | None = None) -> dict[str, Any]:
-    rows = session.execute(
-        select(
-            EvalResult.task,
-            EvalResult.step,
-            EvalResult.phase,
-            EvalResult.cross_entropy,
-            EvalResult.perplexity,
-            EvalResult.records,
-            EvalResult.target_tokens,
-            EvalResult.oversized_records,
-        ).where(EvalResult.run_id == run_id)
-    )
-    points = [
-        {
-            "task": task,
-            "step": step,
-            "phase": phase,
-            "cross_entropy": json_float(ce),
-            "perplexity": json_float(ppl),
-            "records": records,
-            "target_tokens": target_tokens,
-            "oversized_records": oversized,
-        }
-        for task, step, phase, ce, ppl, records, target_tokens, oversized in rows
-    ]
+    rows = session.execute(select(*EVAL_COLUMNS).where(EvalResult.run_id == run_id))
+    points = [eval_point(row) for row in rows]
     return {"run_id": run_id, "tasks": summarize_evals(points, max_points=max_points)}

@@ -6,6 +6,8 @@ blindly; infrastructure failures are.
 
 from __future__ import annotations
 
+import traceback
+
 from contracts.reports import FailureCause
 
 
@@ -50,3 +52,12 @@ class OptimizerCoverageError(CheckpointError):
     does not retry it blindly."""
 
     cause: FailureCause = "config"
+
+
+def origin(err: BaseException) -> str:
+    """Where `err` was raised: `file:line in function`, for failure messages."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "unknown location"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"

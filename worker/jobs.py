@@ -10,7 +10,6 @@ for the task to deliver the message again later.
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -18,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome
 from worker import metrics
 from worker.client import ServiceClient
-from worker.error import TrainingError
+from worker.error import TrainingError, origin
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ def job_outcome(kind: JobKind, request: dict[str, Any], *, settings: WorkerSetti
         return _failed(f"out of memory: {err}")
     except Exception as err:
         log.exception("%s job failed", kind)
-        return _failed(f"{type(err).__name__}: {err} at {_origin(err)}")
+        return _failed(f"{type(err).__name__}: {err} at {origin(err)}")
     return JobOutcome(status="succeeded", result=result.model_dump(mode="json"))
 
 
@@ -96,11 +95,3 @@ def _failed(message: str) -> JobOutcome:
     if len(message) > MAX_ERROR_CHARS:
         message = message[: MAX_ERROR_CHARS - 3] + "..."
     return JobOutcome(status="failed", error=message)
-
-
-def _origin(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
-    if not frames:
-        return "unknown location"
-    frame = frames[-1]
-    return f"{frame.filename}:{frame.lineno} in {frame.name}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from contracts.signature import sha256_path
 from contracts.workflow import Workflow
 from worker import metrics
 from worker.client import ServiceClient, Superseded
-from worker.error import ConfigError, SignatureMismatch, TrainingError
+from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.model import select_device
 from worker.reporter import ServiceReporter, drain_spools
 from worker.settings import WorkerSettings
@@ -124,7 +123,7 @@ def _train_and_finish(
         finish = _failed(claim, reporter, "oom", f"out of memory: {err} ({where})")
     except Exception as err:
         log.exception("%s failed", where)
-        message = f"{type(err).__name__}: {err} at {_origin(err)} ({where})"
+        message = f"{type(err).__name__}: {err} at {origin(err)} ({where})"
         finish = _failed(claim, reporter, "infrastructure", message)
     else:
         if outcome.status == "stopped":
@@ -187,11 +186,3 @@ def verify_inputs(claim: Claim, workflow: Workflow) -> None:
                 f"with {expected}; the file changed since the run was created (restore it, or "
                 "start a new run)"
             )
-
-
-def _origin(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
-    if not frames:
-        return "unknown location"
-    frame = frames[-1]
-    return f"{frame.filename}:{frame.lineno} in {frame.name}"

@@ -46,7 +46,7 @@ from service.deps import Credentials, require_admin
 from service.errors import is_unavailable
 from service.models import FINISHED_RUN_STATUSES, Attempt, Checkpoint, EvalResult, MetricPoint, Run
 from service.run import get_run, run_public
-from service.series import json_float
+from service.series import EVAL_COLUMNS, eval_point, json_float
 
 log = logging.getLogger(__name__)
 
@@ -195,16 +195,7 @@ class RunEvents:
             for task, step in self.evals.sent.items()
         ]
         rows = session.execute(
-            select(
-                EvalResult.task,
-                EvalResult.step,
-                EvalResult.phase,
-                EvalResult.cross_entropy,
-                EvalResult.perplexity,
-                EvalResult.records,
-                EvalResult.target_tokens,
-                EvalResult.oversized_records,
-            )
+            select(*EVAL_COLUMNS)
             .where(
                 EvalResult.run_id == self.run_id,
                 EvalResult.step > self.evals.after,
@@ -215,21 +206,9 @@ class RunEvents:
         ).all()
         if not rows:
             return [], False
-        points = []
-        for task, step, phase, ce, ppl, records, target_tokens, oversized in rows:
-            points.append(
-                {
-                    "task": task,
-                    "step": step,
-                    "phase": phase,
-                    "cross_entropy": json_float(ce),
-                    "perplexity": json_float(ppl),
-                    "records": records,
-                    "target_tokens": target_tokens,
-                    "oversized_records": oversized,
-                }
-            )
-            self.evals.advance(task, step)
+        points = [eval_point(row) for row in rows]
+        for point in points:
+            self.evals.advance(point["task"], point["step"])
         return [("evals", {"points": points})], len(rows) == MAX_ROWS_PER_EVENT
 
 
