@@ -224,25 +224,22 @@ def plan_table(title: str, plan: Any) -> Table:
         f"{plan.replay_token_share:.1%} of supervised tokens"
     )
     table.caption = "share: a phase's of the run's tokens; a source's of its phase's"
-    table.add_column("phase / source", no_wrap=True, overflow="fold")
-    table.add_column("objective", overflow="fold")
-    table.add_column("geometry", justify="right", no_wrap=True)
+    table.add_column("phase / source (geometry)", no_wrap=True)
+    table.add_column("objective", no_wrap=True)
     for column in ("steps", "tokens", "share"):
         table.add_column(column, justify="right", no_wrap=True)
     for p in plan.phases:
         table.add_row(
             f"[bold]{p.name}[/bold]",
             p.objective,
-            "",
             f"{p.first_step}-{p.last_step}",
             f"{p.compute_tokens:,}",
             f"{p.token_share:.1%}",
         )
         for s in p.sources:
             table.add_row(
-                f"  {s.name}",
+                f"  {s.name} ({s.sequence_length}x{s.microbatch_size})",
                 s.objective,
-                f"{s.sequence_length}x{s.microbatch_size}",
                 "",
                 f"{s.compute_tokens:,}",
                 f"{s.token_share:.1%}",
