@@ -4,14 +4,26 @@ Both train the same demo-sized llama (vocab 1024, hidden 64, intermediate 256, 2
 on microbatches of 8 x 64 tokens with the same optimizers (Muon for the hidden matrices, AdamW
 for the rest) and gradient clipping. trainctl runs `worker.trainer.train_phase` as the worker
 does (batches drawn from tokenized data, the learning-rate schedule, metrics, stop checks); the
-bare loop reuses one batch already on the device and reads the loss once per step. Rounds
-alternate between the two so that drifts of the machine fall on both.
+bare loop reuses one batch of random ids already on the device, plain causal attention
+(`attention_mask=None`), and reads the loss once per step. Rounds alternate between the two so
+that drifts of the machine fall on both.
+
+`--objective` picks trainctl's data; the bare loop is the same either way:
+
+- `continued_pretrain` (the default): plain text, packed into full windows, no mask; the
+  ratio is the cost of trainctl's loop itself.
+- any supervised objective (`summarization`, ...): source/target pairs of 5 to 40 tokens,
+  packed several to a row of 64 with the rest padded, under a 4-D block-diagonal causal mask
+  with restarting position ids; the ratio is then the whole cost of packing and the mask. The
+  fill (the share of positions that are not padding) of the timed steps' batches is printed
+  too, and "non-pad tokens/s" counts only those positions.
 
 Timing covers whole steps only: for trainctl from the metrics of its first step to those of its
 last (startup, tokenization and the final checkpoint are outside), for the bare loop the same
-number of steps after one warm-up step.
+number of steps after one warm-up step. Both count every position of the envelope as a token.
 
-    .venv/bin/python bench/train_throughput.py [--rounds 5] [--steps 20]
+    .venv/bin/python bench/train_throughput.py [--objective summarization] [--rounds 5]
+        [--steps 20]
 
 Prints a markdown table; writes nothing but temporary files (tokenizer, data, the phase's final
 checkpoint) that are deleted on exit.
@@ -20,6 +32,7 @@ checkpoint) that are deleted on exit.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 import statistics
@@ -35,8 +48,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from contracts.reports import CheckpointRef, Claim, EvalResult
 from contracts.signature import Digests
-from contracts.workflow import Workflow
-from worker.model import configure_determinism
+from contracts.workflow import OBJECTIVES, Workflow
+from worker.data import batch_for_step, load_phase_data
+from worker.model import configure_determinism, load_tokenizer
 from worker.optim import build_optimizers
 from worker.reporter import Action
 from worker.trainer import train_phase
@@ -77,10 +91,16 @@ class TimingReporter:
         return "continue"
 
 
-def write_inputs(folder: Path) -> tuple[Path, Path]:
+def write_inputs(folder: Path, objective: str) -> tuple[Path, Path]:
+    """The tokenizer, and the data of `objective`: 2000 documents of 60 words for pretraining,
+    2000 pairs of 3-30 source and 1-9 target words for a supervised objective."""
     rng = random.Random(0)
     words = _TEXT.split()
-    texts = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(2000)]
+
+    def phrase(low: int, high: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    texts = [phrase(60, 60) for _ in range(2000)]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -95,12 +115,17 @@ def write_inputs(folder: Path) -> tuple[Path, Path]:
     )
     tokenizer_path = folder / "tokenizer.json"
     tokenizer.save(str(tokenizer_path))
-    data_path = folder / "corpus.txt"
-    data_path.write_text("\n".join(texts) + "\n")
+    if objective == "continued_pretrain":
+        data_path = folder / "corpus.txt"
+        data_path.write_text("\n".join(texts) + "\n")
+    else:
+        data_path = folder / "pairs.jsonl"
+        pairs = [{"source": phrase(3, 30), "target": " " + phrase(1, 9)} for _ in range(2000)]
+        data_path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
     return tokenizer_path, data_path
 
 
-def make_workflow(tokenizer: Path, data: Path, steps: int) -> Workflow:
+def make_workflow(tokenizer: Path, data: Path, objective: str, steps: int) -> Workflow:
     return Workflow.model_validate(
         {
             "name": "bench",
@@ -110,8 +135,8 @@ def make_workflow(tokenizer: Path, data: Path, steps: int) -> Workflow:
             "checkpoint": {"every_steps": 10**6},
             "phases": [
                 {
-                    "name": "pretrain",
-                    "objective": "continued_pretrain",
+                    "name": "bench",
+                    "objective": objective,
                     "data": [{"path": str(data)}],
                     "sequence_length": SEQUENCE_LENGTH,
                     "microbatch_size": MICROBATCH_SIZE,
@@ -139,6 +164,30 @@ def trainctl_tokens_per_s(workflow: Workflow, artifact_dir: Path, steps: int) ->
     train_phase(claim=claim, workflow=workflow, reporter=reporter, device=torch.device("cpu"))
     elapsed = reporter.times[steps + 1] - reporter.times[1]
     return steps * SEQUENCE_LENGTH * MICROBATCH_SIZE / elapsed
+
+
+def batch_fill(workflow: Workflow, steps: int) -> tuple[float, float, float | None]:
+    """(fill, target share, records per row) of the batches trainctl trains in the timed steps
+    (phase steps 2 .. steps + 1): the shares of envelope positions that are not padding and
+    that are targets. Records per row is None for text windows, which hold no records."""
+    phase = workflow.phases[0]
+    data = load_phase_data(phase, load_tokenizer(workflow.tokenizer))
+    batches = [
+        batch_for_step(data, seed=workflow.seed, phase_index=0, step=step, micro=micro)
+        for step in range(2, steps + 2)
+        for micro in range(phase.grad_accum)
+    ]
+    positions = sum(b.input_ids.numel() for b in batches)
+    real = sum(int((b.input_ids != data.pad_id).sum()) for b in batches)
+    targets = sum(b.target_tokens for b in batches)
+    records = None
+    if all(b.position_ids is not None for b in batches):
+        # A record starts where its position id is 0; a padding position has 0 too.
+        starts = sum(
+            int(((b.position_ids == 0) & (b.input_ids != data.pad_id)).sum()) for b in batches
+        )
+        records = starts / sum(len(b.input_ids) for b in batches)
+    return real / positions, targets / positions, records
 
 
 def bare_tokens_per_s(workflow: Workflow, steps: int) -> float:
@@ -169,6 +218,12 @@ def bare_tokens_per_s(workflow: Workflow, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="continued_pretrain",
+        help="trainctl's data: text windows, or packed records for any other objective",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     args = parser.parse_args()
@@ -179,26 +234,42 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="trainctl-bench-") as tmp:
         folder = Path(tmp)
-        tokenizer, data = write_inputs(folder)
+        tokenizer, data = write_inputs(folder, args.objective)
         # One step more than timed: the interval runs from the first step's metrics to the last's.
-        workflow = make_workflow(tokenizer, data, args.steps + 1)
+        workflow = make_workflow(tokenizer, data, args.objective, args.steps + 1)
+        fill, target_share, records = batch_fill(workflow, args.steps)
         for round_index in range(args.rounds):
             ours = trainctl_tokens_per_s(workflow, folder / f"run-{round_index}", args.steps)
             bare = bare_tokens_per_s(workflow, args.steps)
-            rows.append((ours, bare, ours / bare))
+            rows.append((ours, ours * fill, bare, ours / bare, ours * fill / bare))
 
     print(
         f"Training throughput, CPU, {torch.get_num_threads()} torch threads: llama vocab "
         f"{MODEL['vocab_size']}, hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} "
         f"layers, microbatch {MICROBATCH_SIZE} x {SEQUENCE_LENGTH} tokens, Muon + AdamW; "
-        f"{args.rounds} interleaved rounds of {args.steps} steps.\n"
+        f"{args.rounds} interleaved rounds of {args.steps} steps."
     )
-    print("| round | trainctl tokens/s | bare PyTorch tokens/s | trainctl / bare |")
-    print("|---:|---:|---:|---:|")
-    for i, (ours, bare, ratio) in enumerate(rows, start=1):
-        print(f"| {i} | {ours:,.0f} | {bare:,.0f} | {ratio:.3f} |")
+    if records is None:
+        print(f"trainctl: {args.objective}, text packed into full windows, no mask.")
+    else:
+        print(
+            f"trainctl: {args.objective}, {records:.2f} records per row, 4-D block-diagonal "
+            f"mask (one record per row would fill {fill / records:.3f}); the bare loop: random "
+            "ids, no mask."
+        )
+    print(f"Fill (non-pad positions) {fill:.3f}, targets {target_share:.3f} of positions.\n")
+    print(
+        "| round | trainctl tokens/s | trainctl non-pad tokens/s | bare PyTorch tokens/s "
+        "| trainctl / bare | non-pad / bare |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     medians = [statistics.median(column) for column in zip(*rows, strict=True)]
-    print(f"| median | {medians[0]:,.0f} | {medians[1]:,.0f} | {medians[2]:.3f} |")
+    for label, (ours, real, bare, ratio, real_ratio) in [
+        *((str(i), row) for i, row in enumerate(rows, start=1)),
+        ("median", medians),
+    ]:
+        rates = f"{ours:,.0f} | {real:,.0f} | {bare:,.0f}"
+        print(f"| {label} | {rates} | {ratio:.3f} | {real_ratio:.3f} |")
 
 
 if __name__ == "__main__":
