@@ -39,6 +39,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,9 @@ class TimingReporter:
 
     def check(self, step: int, *, now: bool = False) -> Action:
         return "continue"
+
+    def keepalive(self, step: int) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 def write_inputs(folder: Path, objective: str) -> tuple[Path, Path]:

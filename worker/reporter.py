@@ -1,15 +1,19 @@
 """What the training loop tells the outside world, and how it learns it must pause or stop.
 
 The loop calls a `Reporter`; `ServiceReporter` posts to the service, tests use a recorder.
-Heartbeats are sent from the loop itself (no thread): a step that takes longer than the lease
-would let the lease expire, so heartbeat_seconds must stay well under lease_seconds.
+Heartbeats are sent from the loop itself: a step that takes longer than the lease would let
+the lease expire, so heartbeat_seconds must stay well under lease_seconds. Work that reports
+nothing for long (preparing a phase: hashing, reading and encoding data, loading a checkpoint;
+evaluating) runs inside `keepalive`, which heartbeats from a thread meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -50,6 +54,11 @@ class Reporter(Protocol):
         checkpoint is put in place), and return the service's order. A service that cannot be
         reached orders nothing: "continue"."""
 
+    def keepalive(self, step: int) -> AbstractContextManager[None]:
+        """Keep the lease while the caller works without reporting, at `step` (the last step
+        done); an order received meanwhile is returned by the next `check`. The caller makes
+        no other call on the reporter inside it."""
+
 
 class ServiceReporter:
     """Posts to the service in order, batching metric points, and heartbeats every
@@ -89,6 +98,8 @@ class ServiceReporter:
         self._last_beat = clock()
         self._points: list[MetricPoint] = []
         self._stopped = False
+        # An order a keepalive heartbeat received, for the loop's next `check`.
+        self._pending: Action | None = None
         self.last_step: int | None = None  # the last step whose metrics were recorded
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
@@ -112,6 +123,9 @@ class ServiceReporter:
     def check(self, step: int, *, now: bool = False) -> Action:
         if self._stopped:
             return "stop"
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            return pending
         beat = self._clock()
         if not now and beat - self._last_beat < self._heartbeat_seconds:
             return "continue"
@@ -135,6 +149,27 @@ class ServiceReporter:
         if answer_action == "stop":
             self._stop()
         return answer_action
+
+    @contextmanager
+    def keepalive(self, step: int) -> Iterator[None]:
+        """Heartbeat from a thread, when due, while the caller works without reporting. The
+        thread is the only user of this reporter meanwhile (see Reporter.keepalive)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(max(self._heartbeat_seconds, 0.5)):
+                action = self.check(step)
+                if action != "continue":
+                    self._pending = None if action == "stop" else action
+                    return  # "stop" is sticky (`_stopped`); a pause waits for the loop
+
+        thread = threading.Thread(target=beat, name=f"keepalive-{self._attempt_id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def finish(self, finish: Finish) -> None:
         """Send everything still buffered or spooled, then `finish`, in order. Waits up to

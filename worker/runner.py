@@ -103,7 +103,9 @@ def _train_and_finish(
     outcome: PhaseOutcome | None = None
     try:
         workflow = _parse_workflow(claim)
-        verify_inputs(claim, workflow)
+        start = claim.resume_from.step if claim.resume_from is not None else 0
+        with reporter.keepalive(start):  # hashing large inputs reports nothing for a while
+            verify_inputs(claim, workflow)
         device = select_device(settings.device)
         log.info("training %s on %s", where, device)
         outcome = train_phase(

@@ -108,61 +108,68 @@ def train_phase(
     directory = checkpoints_dir(claim.artifact_dir)
     remove_stale_temporaries(directory)
 
-    configure_determinism(device)
-    tokenizer = load_tokenizer(workflow.tokenizer)
-    data = load_phase_data(phase, tokenizer)
-    # Eval files are read once per phase, at one geometry per task for the whole run, and
-    # before the first step: a bad eval file fails the phase now, not after hours of training.
-    eval_data = [
-        load_eval_data(tokenizer, spec, sequence_length=workflow.eval_sequence_length(spec))
-        for spec in workflow.evals
-    ]
-    source_names = data.names()
+    # Preparation reports nothing for a while (reading and encoding data, loading a
+    # checkpoint): the reporter keeps the lease meanwhile.
+    resume_step = claim.resume_from.step if claim.resume_from is not None else offset
+    with reporter.keepalive(resume_step):
+        configure_determinism(device)
+        tokenizer = load_tokenizer(workflow.tokenizer)
+        data = load_phase_data(phase, tokenizer)
+        # Eval files are read once per phase, at one geometry per task for the whole run, and
+        # before the first step: a bad eval file fails the phase now, not after hours of training.
+        eval_data = [
+            load_eval_data(tokenizer, spec, sequence_length=workflow.eval_sequence_length(spec))
+            for spec in workflow.evals
+        ]
+        source_names = data.names()
 
-    # Restore order: model, weights, optimizer groups derived by name from the live model,
-    # optimizer state, and the RNG last (nothing after it may draw a random number).
-    model = build_model(workflow, device)
-    _check_vocabulary(model, tokenizer, workflow.tokenizer)
-    torch.manual_seed(phase_seed(workflow.seed, phase_index))
-    resumed = _checkpoint_to_resume(claim, offsets)
-    if resumed is not None:
-        load_weights(model, resumed.path)
-    elif claim.initial_checkpoint is not None:
-        load_weights(model, claim.initial_checkpoint)
-    optimizers = build_optimizers(model, workflow.optimizer)
-    # A checkpoint inside this phase continues it; the previous phase's final one only supplies
-    # weights (fresh optimizers, the phase's own seed).
-    inside = resumed if resumed is not None and resumed.state.phase_index == phase_index else None
-    if inside is not None:
-        optimizers.load_state_dict(inside.optimizer)
-        if restore_rng:
-            set_rng_state(inside.rng)
-        else:
-            log.warning("not restoring the RNG (TRAINCTL_RESTORE_RNG=false): inexact resume")
-    start = inside.state.step if inside is not None else offset
-    tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
-    resumed_from = None
-    if resumed is not None:
-        resumed_from = CheckpointRef(
-            path=str(resumed.path),
-            step=resumed.state.step,
-            phase_index=resumed.state.phase_index,
-            phase_step=resumed.state.phase_step,
+        # Restore order: model, weights, optimizer groups derived by name from the live model,
+        # optimizer state, and the RNG last (nothing after it may draw a random number).
+        model = build_model(workflow, device)
+        _check_vocabulary(model, tokenizer, workflow.tokenizer)
+        torch.manual_seed(phase_seed(workflow.seed, phase_index))
+        resumed = _checkpoint_to_resume(claim, offsets)
+        if resumed is not None:
+            load_weights(model, resumed.path)
+        elif claim.initial_checkpoint is not None:
+            load_weights(model, claim.initial_checkpoint)
+        optimizers = build_optimizers(model, workflow.optimizer)
+        # A checkpoint inside this phase continues it; the previous phase's final one only supplies
+        # weights (fresh optimizers, the phase's own seed).
+        inside = (
+            resumed if resumed is not None and resumed.state.phase_index == phase_index else None
         )
-        log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
-    latest = resumed_from if inside is not None else None
+        if inside is not None:
+            optimizers.load_state_dict(inside.optimizer)
+            if restore_rng:
+                set_rng_state(inside.rng)
+            else:
+                log.warning("not restoring the RNG (TRAINCTL_RESTORE_RNG=false): inexact resume")
+        start = inside.state.step if inside is not None else offset
+        tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
+        resumed_from = None
+        if resumed is not None:
+            resumed_from = CheckpointRef(
+                path=str(resumed.path),
+                step=resumed.state.step,
+                phase_index=resumed.state.phase_index,
+                phase_step=resumed.state.phase_step,
+            )
+            log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
+        latest = resumed_from if inside is not None else None
 
     def evaluate(step: int, due: list[int]) -> list[EvalResult]:
-        return [
-            evaluate_task(
-                model,
-                eval_data[i],
-                batch_size=workflow.evals[i].batch_size,
-                step=step,
-                phase=phase.name,
-            )
-            for i in due
-        ]
+        with reporter.keepalive(step):  # an eval reports nothing until it ends
+            return [
+                evaluate_task(
+                    model,
+                    eval_data[i],
+                    batch_size=workflow.evals[i].batch_size,
+                    step=step,
+                    phase=phase.name,
+                )
+                for i in due
+            ]
 
     # Checkpoints are saved in the background: the loop waits only for the copy into CPU
     # buffers; a save is put in place and registered (and retention applied) from this thread

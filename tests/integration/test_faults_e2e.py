@@ -317,3 +317,28 @@ def test_cancel_stops_the_worker_and_frees_it(tmp_path: Path, postgres_url: str)
             assert run["status"] == "cancelled"
             assert run["step"] < 400
             assert run["attempts"][0]["status"] == "superseded"
+
+
+def test_an_eval_longer_than_the_lease_keeps_its_attempt(tmp_path: Path, postgres_url: str) -> None:
+    """The baseline and final evals of a large held-out file take several leases (about 5 s
+    each against a 2 s lease): the worker heartbeats from a thread meanwhile, so the reaper
+    never takes the attempt away and the run ends with its one attempt."""
+    held_out = workflow("continued_pretrain", steps=4)["evals"][0]["data"]
+    big = tmp_path / "held_out.jsonl"
+    big.write_text(Path(held_out).read_text() * 40)  # about 120k tokens
+    body = {"workflow": workflow("continued_pretrain", steps=4)}
+    body["workflow"]["evals"] = [
+        {"task": "continued_pretrain", "data": str(big), "every_steps": 100, "sequence_length": 128}
+    ]
+    env = {"TRAINCTL_LEASE_SECONDS": "2", "TRAINCTL_REAPER_INTERVAL_SECONDS": "0.5"}
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **env)
+        stack.worker(**WORKER_ENV)
+        with stack.api() as api:
+            created = api.post("/runs", json=body)
+            assert created.status_code == 201, created.text
+            run = wait_for_run(api, created.json()["id"], timeout=180, procs=procs)
+            evals = api.get(f"/runs/{run['id']}/eval").json()["tasks"]
+    assert run["status"] == "succeeded", run
+    assert [a["status"] for a in run["attempts"]] == ["succeeded"], run["attempts"]
+    assert [p["step"] for p in evals["continued_pretrain"]["history"]] == [0, 4]

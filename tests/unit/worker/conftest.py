@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,6 +234,8 @@ class RecordingReporter:
         self.eval_results: list[EvalResult] = []
         self.checkpoints: list[CheckpointRef] = []
         self.checks: list[tuple[int, bool]] = []  # (step, now): now is a fencing check
+        # (step, what the trainer did inside): preparation and evals keep the lease this way.
+        self.keepalives: list[int] = []
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         assert step not in self.metrics_by_step, f"metrics of step {step} reported twice"
@@ -245,6 +248,11 @@ class RecordingReporter:
         verify_checkpoint(Path(ref.path))
         self.checkpoints.append(ref)
         return True
+
+    @contextmanager
+    def keepalive(self, step: int) -> Iterator[None]:
+        self.keepalives.append(step)
+        yield
 
     def check(self, step: int, *, now: bool = False) -> Action:
         self.checks.append((step, now))

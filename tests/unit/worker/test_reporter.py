@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -309,3 +310,34 @@ def test_refused_metric_points_are_logged_by_name_and_step(
         "value is not finite",
     ]
     assert service.received == ["metrics:1,1,2,2,3,3", "checkpoint:3"]
+
+
+def real_clock_reporter(service: Service, claim: Claim, spool_dir: Path) -> ServiceReporter:
+    return ServiceReporter(client_of(service), claim, spool_dir=spool_dir, heartbeat_seconds=0.2)
+
+
+def test_keepalive_heartbeats_while_the_caller_reports_nothing(
+    claim: Claim, tmp_path: Path
+) -> None:
+    """Preparing a phase or evaluating can outlast the lease: a thread keeps it meanwhile
+    (every max(heartbeat_seconds, 0.5) s), and stops with the block."""
+    service = Service()
+    reporter = real_clock_reporter(service, claim, tmp_path)
+    with reporter.keepalive(3):
+        time.sleep(1.3)
+    assert service.received == ["heartbeat", "heartbeat"]
+    time.sleep(0.7)
+    assert service.received == ["heartbeat", "heartbeat"]  # nothing after the block
+
+
+@pytest.mark.parametrize("order", ["pause", "stop"])
+def test_an_order_received_during_keepalive_reaches_the_loop(
+    claim: Claim, tmp_path: Path, order: str
+) -> None:
+    service = Service(action=order)
+    reporter = real_clock_reporter(service, claim, tmp_path)
+    with reporter.keepalive(3):
+        time.sleep(0.8)
+    assert service.received == ["heartbeat"]  # the thread ends at the first order
+    assert reporter.check(4) == order  # not due yet: the kept order, without a request
+    assert service.received == ["heartbeat"]

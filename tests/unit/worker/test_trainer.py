@@ -246,6 +246,8 @@ def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
     assert [c.phase_step for c in reporter.checkpoints] == [2, 5, 7]
     # Phase 1's evals: at its last step only (no baseline outside the first phase).
     assert [(r.step, r.phase) for r in reporter.eval_results] == [(11, "sft")]
+    # The lease is kept while nothing is reported: preparing from step 4, evaluating at 11.
+    assert reporter.keepalives == [4, 11]
     base_lr = workflow.optimizer.adamw_lr * 0.5
     assert reporter.metrics_by_step[5]["lr"] == pytest.approx(
         base_lr * lr_multiplier(1, total_steps=7, schedule=workflow.phases[1].schedule)
