@@ -35,6 +35,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         session_factory=session_factory,
         dispatch=pump.dispatch,
         interval=settings.reaper_interval_seconds,
+        job_timeout=settings.job_timeout_seconds,
     )
 
     @asynccontextmanager

@@ -41,6 +41,9 @@ class ServiceSettings(BaseSettings):
     # How often the reaper looks for running attempts whose lease expired. A lost worker is
     # noticed between lease_seconds and lease_seconds + this after its last report.
     reaper_interval_seconds: float = Field(default=5.0, gt=0)
+    # A job (inspection, evaluation) running longer than this is sent to a worker again: its
+    # worker may have died (jobs hold no lease). The first outcome posted is the one kept.
+    job_timeout_seconds: float = Field(default=3600.0, gt=0)
     # Default budgets of a run (POST /runs may set its own): preemptions and lost workers...
     max_preemptions: int = Field(default=10, ge=0)
     # ...and errors with cause `infrastructure`. Other causes fail the run at once.

@@ -445,3 +445,38 @@ def test_worker_client_drops_an_outcome_when_another_came_first(api: Api) -> Non
         assert client.start_job(job["id"]) is None
     read = api.client.get(f"/datasets/inspections/{job['id']}", headers=api.admin).json()
     assert read["error"] == "first"
+
+
+# --- jobs whose worker died ------------------------------------------------------------------
+
+
+def test_a_job_running_past_the_timeout_is_queued_and_sent_again(api: Api) -> None:
+    from datetime import timedelta
+
+    from service.models import utcnow
+    from service.reaper import requeue_stale_jobs
+
+    stale, fresh, done = (submit_inspection(api)["id"] for _ in range(3))
+    for job_id in (stale, fresh, done):
+        assert start(api, job_id).status_code == 200
+    assert post_result(api, done, status="succeeded", result=report()).status_code == 200
+    with api.sessions() as session:
+        job = session.get(Job, stale)
+        assert job is not None and job.started_at is not None
+        job.started_at -= timedelta(hours=2)
+        session.commit()
+        before = len(
+            session.scalars(select(OutboxMessage).where(OutboxMessage.job_id == stale)).all()
+        )
+
+    requeued = requeue_stale_jobs(session_factory=api.sessions, now=utcnow(), timeout=3600)
+    assert requeued == [stale]
+    assert requeue_stale_jobs(session_factory=api.sessions, now=utcnow(), timeout=3600) == []
+    with api.sessions() as session:
+        statuses = {j.id: j.status for j in session.scalars(select(Job))}
+        rows = session.scalars(select(OutboxMessage).where(OutboxMessage.job_id == stale)).all()
+    assert statuses == {stale: "queued", fresh: "running", done: "succeeded"}
+    assert len(rows) == before + 1
+    # The next worker starts it again; its outcome is taken as usual.
+    assert start(api, stale).status_code == 200
+    assert post_result(api, stale, status="succeeded", result=report()).status_code == 200
