@@ -208,9 +208,10 @@ def checked_outcome(kind: str, outcome: JobOutcome) -> tuple[dict[str, Any] | No
 
 
 def finish_job(*, session: Session, job_id: str, outcome: JobOutcome) -> Job:
-    """Store a running job's outcome, once (a conditional UPDATE: the first outcome wins). The
-    same outcome again answers the job as stored; another one is 409 `job_finished`, and an
-    outcome for a job never started 409 `job_not_started`."""
+    """Store a started job's outcome, once (a conditional UPDATE: the first outcome wins). A
+    job queued again after its timeout still takes the outcome of the worker that was only
+    slow. The same outcome again answers the job as stored; another one is 409
+    `job_finished`, and an outcome for a job never started 409 `job_not_started`."""
     job = get_job(session=session, job_id=job_id)
     result, error = checked_outcome(job.kind, outcome)
     values: dict[str, Any] = {"status": outcome.status, "error": error, "finished_at": utcnow()}
@@ -218,7 +219,11 @@ def finish_job(*, session: Session, job_id: str, outcome: JobOutcome) -> Job:
         values["result"] = result
     won = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status == "running")
+        .where(
+            Job.id == job_id,
+            Job.started_at.is_not(None),
+            Job.status.in_(("queued", "running")),
+        )
         .values(**values)
         .execution_options(synchronize_session=False)
     )

@@ -9,6 +9,7 @@ for the task to deliver the message again later.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -69,7 +70,13 @@ def job_outcome(kind: JobKind, request: dict[str, Any], *, settings: WorkerSetti
     except Exception as err:
         log.exception("%s job failed", kind)
         return _failed(f"{type(err).__name__}: {err} at {origin(err)}")
-    return JobOutcome(status="succeeded", result=result.model_dump(mode="json"))
+    dumped = result.model_dump(mode="json")
+    try:
+        json.dumps(dumped, allow_nan=False)
+    except ValueError:
+        # JSON cannot carry it, and a job that is never finished would be sent again hourly.
+        return _failed(f"the {kind} produced a non-finite number (NaN or infinity): {result!r}")
+    return JobOutcome(status="succeeded", result=dumped)
 
 
 def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -> BaseModel:

@@ -480,3 +480,47 @@ def test_a_job_running_past_the_timeout_is_queued_and_sent_again(api: Api) -> No
     # The next worker starts it again; its outcome is taken as usual.
     assert start(api, stale).status_code == 200
     assert post_result(api, stale, status="succeeded", result=report()).status_code == 200
+
+
+def test_a_slow_worker_s_outcome_is_kept_after_its_job_was_queued_again(api: Api) -> None:
+    """The timeout sent the job again while its first worker was only slow: that worker's
+    outcome is the first, and the message sent again finds the job finished."""
+    from datetime import timedelta
+
+    from service.models import utcnow
+    from service.reaper import requeue_stale_jobs
+
+    job_id = submit_inspection(api)["id"]
+    assert start(api, job_id).status_code == 200
+    later = utcnow() + timedelta(hours=2)
+    assert requeue_stale_jobs(session_factory=api.sessions, now=later, timeout=3600) == [job_id]
+    answer = post_result(api, job_id, status="succeeded", result=report())
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "succeeded"
+    assert start(api, job_id).status_code == 409  # the second delivery: dropped
+
+
+def test_an_evaluation_with_a_non_finite_loss_fails_instead_of_looping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NaN cannot travel in JSON; unstored, the job would be sent again every timeout."""
+    from worker import evaluate, jobs
+
+    nan = float("nan")
+
+    def evaluate_checkpoint(request: Any, **_: Any) -> EvalResult:
+        return EvalResult(
+            task="summarization",
+            step=0,
+            phase="",
+            cross_entropy=nan,
+            perplexity=nan,
+            records=1,
+            target_tokens=3,
+        )
+
+    monkeypatch.setattr(evaluate, "evaluate_checkpoint", evaluate_checkpoint)
+    request = {"checkpoint": "/m", "task": "summarization", "data": "/e", "sequence_length": 8}
+    outcome = jobs.job_outcome("evaluation", request, settings=WorkerSettings(device="cpu"))
+    assert outcome.status == "failed"
+    assert outcome.error is not None and "non-finite" in outcome.error
