@@ -121,11 +121,15 @@ class ServiceReporter:
         return self._submit([CheckpointReport(fencing_token=self._token, checkpoint=ref)])
 
     def check(self, step: int, *, now: bool = False) -> Action:
+        action = self._heartbeat(step, now=now)
+        if action == "continue" and self._pending is not None:
+            action, self._pending = self._pending, None
+        return action
+
+    def _heartbeat(self, step: int, *, now: bool = False) -> Action:
+        """Renew the lease when due (or `now`) and return the service's order."""
         if self._stopped:
             return "stop"
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            return pending
         beat = self._clock()
         if not now and beat - self._last_beat < self._heartbeat_seconds:
             return "continue"
@@ -153,15 +157,22 @@ class ServiceReporter:
     @contextmanager
     def keepalive(self, step: int) -> Iterator[None]:
         """Heartbeat from a thread, when due, while the caller works without reporting. The
-        thread is the only user of this reporter meanwhile (see Reporter.keepalive)."""
+        thread is the only user of this reporter meanwhile (see Reporter.keepalive). A pause
+        order is kept for the loop and the lease still renewed; after a stop there is nothing
+        left to keep."""
         done = threading.Event()
 
         def beat() -> None:
             while not done.wait(max(self._heartbeat_seconds, 0.5)):
-                action = self.check(step)
-                if action != "continue":
-                    self._pending = None if action == "stop" else action
-                    return  # "stop" is sticky (`_stopped`); a pause waits for the loop
+                try:
+                    action = self._heartbeat(step)
+                except Exception:  # a refused report, say: the loop learns of it when it checks
+                    log.exception("keepalive heartbeat at step %d failed", step)
+                    continue
+                if action == "stop":
+                    return
+                if action == "pause":
+                    self._pending = "pause"
 
         thread = threading.Thread(target=beat, name=f"keepalive-{self._attempt_id}", daemon=True)
         thread.start()

@@ -330,14 +330,43 @@ def test_keepalive_heartbeats_while_the_caller_reports_nothing(
     assert service.received == ["heartbeat", "heartbeat"]  # nothing after the block
 
 
-@pytest.mark.parametrize("order", ["pause", "stop"])
-def test_an_order_received_during_keepalive_reaches_the_loop(
-    claim: Claim, tmp_path: Path, order: str
+def test_a_pause_received_during_keepalive_reaches_the_loop_and_the_lease_is_kept(
+    claim: Claim, tmp_path: Path
 ) -> None:
-    service = Service(action=order)
+    service = Service(action="pause")
     reporter = real_clock_reporter(service, claim, tmp_path)
     with reporter.keepalive(3):
-        time.sleep(0.8)
-    assert service.received == ["heartbeat"]  # the thread ends at the first order
-    assert reporter.check(4) == order  # not due yet: the kept order, without a request
+        time.sleep(1.3)
+    assert service.received == ["heartbeat", "heartbeat"]  # still renewing after the order
+    assert reporter.check(4) == "pause"
+
+
+def test_a_stop_received_during_keepalive_ends_it_and_reaches_the_loop(
+    claim: Claim, tmp_path: Path
+) -> None:
+    service = Service(action="stop")
+    reporter = real_clock_reporter(service, claim, tmp_path)
+    with reporter.keepalive(3):
+        time.sleep(1.3)
+    assert service.received == ["heartbeat"]  # nothing left to keep
+    assert reporter.check(4) == "stop"
     assert service.received == ["heartbeat"]
+
+
+def test_keepalive_survives_a_failing_heartbeat(claim: Claim, tmp_path: Path) -> None:
+    """A refused request in the thread is logged; the next beat still goes out."""
+    service = Service()
+    reporter = real_clock_reporter(service, claim, tmp_path)
+    calls = []
+    original = reporter._client.heartbeat
+
+    def flaky(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("an unexpected answer")
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    reporter._client.heartbeat = flaky  # type: ignore[method-assign]
+    with reporter.keepalive(3):
+        time.sleep(1.3)
+    assert len(calls) == 2 and service.received == ["heartbeat"]
