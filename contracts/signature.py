@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from contracts.workflow import Workflow
+from contracts.workflow import ENCODER_VERSION, Workflow
 
 _CHUNK = 1 << 20
 
@@ -65,6 +65,7 @@ def signature_components(
     *, workflow: Workflow, digests: Digests, initial_checkpoint: str | None = None
 ) -> dict[str, Any]:
     return {
+        "encoder_version": ENCODER_VERSION,
         "workflow": workflow.normalized(),
         "initial_checkpoint": (
             None

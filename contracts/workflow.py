@@ -23,6 +23,11 @@ Objective = Literal[
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 SUPERVISED_OBJECTIVES: tuple[str, ...] = tuple(o for o in OBJECTIVES if o != "continued_pretrain")
 
+# The version of the rules that turn records into token ids and loss masks (worker/encode.py,
+# docs/data.md). Part of every run's signature: a run never resumes under other encoding rules.
+# Bump it whenever the same record would encode differently.
+ENCODER_VERSION = 3
+
 # Counts and sizes are stored in 32-bit integer columns; a larger one is a typo, not a plan.
 MAX_COUNT = 2**31 - 1
 PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT)]

@@ -28,8 +28,8 @@ from tokenizers import Tokenizer
 from worker.model import special_token_ids
 from worker.records import Record
 
-# Bumped whenever the same record would encode differently (a cache key, and in reports).
-ENCODER_VERSION = 2
+# The encoding rules' version (contracts.workflow.ENCODER_VERSION) is part of every run's
+# signature; bump it there whenever the same record would encode differently.
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class EncodeReport:
     # (text,) for text. The target and the EOS are counted in target_tokens only.
     part_tokens: tuple[int, ...]
     source_tokens: int  # everything that is not a target
-    target_tokens: int  # target tokens, without the closing EOS
+    target_tokens: int  # tokens the loss applies to, EOS (and a first token) aside
     total_tokens: int  # all ids, EOS included
     dropped_segments: tuple[int, ...] = ()
     trimmed_segments: tuple[int, ...] = ()
@@ -98,7 +98,14 @@ def encode_records(
     or measuring only)."""
     eos_id, _ = special_token_ids(tokenizer)
     pieces = [_pieces(r) for r in records]
-    flat = tokenizer.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
+    # "<|endoftext|>" written in a record is text, not a document boundary: the only special
+    # token in an encoding is the EOS added here, by id.
+    before = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        flat = tokenizer.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
+    finally:
+        tokenizer.encode_special_tokens = before
     out, at = [], 0
     for record, ps in zip(records, pieces, strict=True):
         ids = [e.ids for e in flat[at : at + len(ps)]]
@@ -148,7 +155,7 @@ def _assemble(
             else:
                 parts.append((head, False))  # the whole "role: content\n"
                 part_tokens.append(len(head))
-        return _finish_chat(parts, tuple(part_tokens), sequence_length)
+        return _finish_chat(parts, tuple(part_tokens), sequence_length, eos_id)
     return _fit_segments(record, ids, eos_id, sequence_length)
 
 
@@ -184,11 +191,14 @@ def _finish(
         trimmed_segments=trimmed,
         tokens_trimmed=tokens_trimmed,
     )
-    return _judge(tokens, mask, report, sequence_length)
+    return _judge(tokens, mask, report, sequence_length, eos_id)
 
 
 def _finish_chat(
-    parts: list[tuple[list[int], bool]], part_tokens: tuple[int, ...], sequence_length: int | None
+    parts: list[tuple[list[int], bool]],
+    part_tokens: tuple[int, ...],
+    sequence_length: int | None,
+    eos_id: int,
 ) -> Encoded:
     tokens = [t for p, _ in parts for t in p]
     mask = [m for p, m in parts for _ in p]
@@ -201,12 +211,24 @@ def _finish_chat(
         target_tokens=targets - assistants,  # without each turn's EOS
         total_tokens=len(tokens),
     )
-    return _judge(tokens, mask, report, sequence_length)
+    return _judge(tokens, mask, report, sequence_length, eos_id)
 
 
 def _judge(
-    tokens: list[int], mask: list[bool], report: EncodeReport, sequence_length: int | None
+    tokens: list[int],
+    mask: list[bool],
+    report: EncodeReport,
+    sequence_length: int | None,
+    eos_id: int,
 ) -> Encoded:
+    ids = np.array(tokens, np.int32)
+    loss_mask = np.array(mask, bool)
+    if len(loss_mask):
+        loss_mask[0] = False  # nothing predicts the first token
+    # What the loss really applies to, EOS aside: a target whose only token opens the record
+    # (an empty source) trains nothing but the EOS, as an empty target does.
+    trained = int((loss_mask & (ids != eos_id)).sum())
+    report = replace(report, target_tokens=trained)
     reason = None
     limit = None if sequence_length is None else sequence_length + 1
     if report.zero_target:
@@ -218,10 +240,6 @@ def _judge(
         )
     if reason is not None:
         report = replace(report, fits=limit is None or len(tokens) <= limit, reason=reason)
-    ids = np.array(tokens, np.int32)
-    loss_mask = np.array(mask, bool)
-    if len(loss_mask):
-        loss_mask[0] = False  # nothing predicts the first token
     return Encoded(ids, loss_mask, report)
 
 

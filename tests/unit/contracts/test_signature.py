@@ -107,3 +107,26 @@ def test_sha256_of_a_directory_covers_names_and_contents(tmp_path: Path) -> None
     (d / "weights.bin").rename(d / "other.bin")
     assert sha256_path(d) != second
     assert sha256_path(d / "config.json") == sha256_file(d / "config.json")
+
+
+# The signature of DOC as this version computes it. Every stored run was signed so: a change
+# to the schema's defaults or to the signed components changes it, and then no run created
+# before can be resumed (its resume answers signature_mismatch). Change this value only
+# deliberately, bumping ENCODER_VERSION or saying so in the release notes.
+FROZEN = "984a9fa38b7f94b9973f0cd56032b34d4f403ca4f414eb58ae172bd12bb1d574"
+
+
+def test_the_signature_of_a_workflow_does_not_change_by_accident() -> None:
+    assert compute_signature(workflow=workflow(), digests=DIGESTS).sha256 == FROZEN
+
+
+def test_the_encoding_rules_are_signed() -> None:
+    from contracts.workflow import ENCODER_VERSION
+
+    signature = compute_signature(workflow=workflow(), digests=DIGESTS)
+    assert signature.components["encoder_version"] == ENCODER_VERSION
+    older = {**signature.components, "encoder_version": ENCODER_VERSION - 1}
+    differences = diff_components(older, signature.components)
+    assert [(d.field, d.stored, d.given) for d in differences] == [
+        ("encoder_version", ENCODER_VERSION - 1, ENCODER_VERSION)
+    ]

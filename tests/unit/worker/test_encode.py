@@ -383,3 +383,28 @@ def test_an_empty_target_is_reported_as_zero_target_not_trained_silently(
     assert encoded.report.fits  # it fits; it just trains nothing
     assert not encoded.usable
     assert encoded.report.reason is not None and "no target tokens" in encoded.report.reason
+
+
+def test_special_token_strings_in_data_are_text_not_control_tokens(tokenizer: Tokenizer) -> None:
+    """Scraped text quotes "<|endoftext|>": it must not become a document boundary inside a
+    prompt, and "<|pad|>" must never be a target."""
+    pad = tokenizer.token_to_id("<|pad|>")
+    value = {"source": "q <|endoftext|> x", "target": " a <|pad|> b"}
+    encoded = encode_record(tokenizer, record(value), sequence_length=None)
+    ids = encoded.ids.tolist()
+    assert ids.count(eos(tokenizer)) == 1 and ids[-1] == eos(tokenizer)
+    assert pad not in ids
+    text = encode_record(tokenizer, record({"text": "a <|endoftext|> b"}), sequence_length=None)
+    assert text.ids.tolist().count(eos(tokenizer)) == 1
+
+
+def test_a_target_whose_only_token_opens_the_record_trains_nothing(tokenizer: Tokenizer) -> None:
+    """With an empty source, the target's first token is predicted by nothing: a one-token
+    target would train only the EOS, so it has no target tokens."""
+    assert len(toks(tokenizer, "a")) == 1
+    encoded = encode_record(tokenizer, record({"source": "", "target": "a"}), sequence_length=None)
+    assert encoded.report.zero_target and not encoded.usable
+    longer = encode_record(
+        tokenizer, record({"source": "", "target": " cat dog"}), sequence_length=None
+    )
+    assert longer.report.target_tokens == len(toks(tokenizer, " cat dog")) - 1
