@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from cli.common import (
+    EXIT_BAD_INPUT,
     EXIT_FAILED,
     JsonOpt,
     call,
@@ -90,8 +91,8 @@ def data_inspect(
             raise fail("--write-fit writes a local file; run without --remote", 2)
         job = call("POST", "/datasets/inspect", json=request.model_dump())
         job = wait_for_job(f"/datasets/inspections/{job['id']}", timeout=timeout)
-        if job["status"] == "failed":
-            raise fail(f"inspection {job['id']} failed: {job.get('error')}", EXIT_FAILED)
+        if job["status"] == "failed":  # the file or the request: bad input, as run locally
+            raise fail(f"inspection {job['id']} failed: {job.get('error')}", EXIT_BAD_INPUT)
         report = InspectionReport.model_validate(job["result"])
     else:
         from worker.inspect import inspect_file
@@ -112,7 +113,7 @@ def print_inspection(report: Any) -> None:
         f"{report.objective}, sequence_length {report.sequence_length}"
     )
     if report.text_tokens is not None:
-        windows = report.text_tokens // report.sequence_length
+        windows = max(report.text_tokens - 1, 0) // report.sequence_length  # as training cuts
         console.print(f"text: {report.text_tokens:,} tokens, {windows:,} windows")
     lengths = Table(title="token lengths (as encoded, before fitting)")
     lengths.add_column("part")
@@ -200,7 +201,7 @@ def eval_checkpoint(
         job = call("POST", "/evaluations", json=request.model_dump())
         job = wait_for_job(f"/evaluations/{job['id']}", timeout=timeout)
         if job["status"] == "failed":
-            raise fail(f"evaluation {job['id']} failed: {job.get('error')}", EXIT_FAILED)
+            raise fail(f"evaluation {job['id']} failed: {job.get('error')}", EXIT_BAD_INPUT)
         result = EvalResult.model_validate(job["result"])
     else:
         from worker.evaluate import evaluate_checkpoint

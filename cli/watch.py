@@ -19,7 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from cli.client import ApiClient
+from cli.client import ApiClient, ApiError
 
 # A watched run stops being followed in these states (paused waits for a resume).
 STOPPED = frozenset({"succeeded", "failed", "cancelled", "paused"})
@@ -45,6 +45,23 @@ def snapshot(api: ApiClient, run_id: str) -> dict[str, Any]:
     }
 
 
+# How long `watch` rides out an unreachable or failing service (a restart) before giving up.
+OUTAGE_GRACE_SECONDS = 60.0
+
+
+def _patient_snapshot(api: ApiClient, run_id: str, *, poll: float) -> dict[str, Any]:
+    """`snapshot`, retried while the service is unreachable or answers 5xx, up to
+    OUTAGE_GRACE_SECONDS: a run outlives a service restart, and so does its watcher."""
+    deadline = time.monotonic() + OUTAGE_GRACE_SECONDS
+    while True:
+        try:
+            return snapshot(api, run_id)
+        except ApiError as err:
+            if (err.status != 0 and err.status < 500) or time.monotonic() > deadline:
+                raise
+            time.sleep(poll)
+
+
 def watch(
     api: ApiClient,
     run_id: str,
@@ -63,7 +80,7 @@ def watch(
         print(json.dumps(state), flush=True)
         while state["status"] not in STOPPED:
             _wait(deadline, poll, run_id, timeout)
-            new = snapshot(api, run_id)
+            new = _patient_snapshot(api, run_id, poll=poll)
             if new != state:
                 print(json.dumps(new), flush=True)
             state = new
@@ -92,7 +109,7 @@ def watch(
         )
         while state["status"] not in STOPPED:
             _wait(deadline, poll, run_id, timeout)
-            state = snapshot(api, run_id)
+            state = _patient_snapshot(api, run_id, poll=poll)
             f = _fields(state)
             progress.update(
                 bar,

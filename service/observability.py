@@ -39,8 +39,8 @@ class DatabaseCollector(Collector):
         attempts = GaugeMetricFamily("trainctl_attempts", "Attempts by status.", labels=["status"])
         recoveries = GaugeMetricFamily(
             "trainctl_recoveries",
-            "Attempts that continued a phase an earlier attempt of the same run had started "
-            "(after a preemption, a lost worker, a restart or a manual resume).",
+            "Attempts beyond the first of each (run, phase): new attempts after a preemption, "
+            "a lost worker, a restart, a pause or a manual resume.",
         )
         jobs = GaugeMetricFamily(
             "trainctl_jobs", "Jobs by kind and status.", labels=["kind", "status"]

@@ -183,13 +183,18 @@ def _lengths(encoded: Sequence[Encoded]) -> dict[str, LengthStats]:
 
 
 def _write_lines(path: Path, lines: Sequence[str]) -> None:
-    """Write `lines` to `path` atomically (a temporary file in the same folder, renamed)."""
+    """Write `lines` to `path` atomically (a temporary file in the same folder, renamed);
+    zstd-compressed when the name ends in .zst, as the readers expect."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        data = zstandard.ZstdCompressor(level=19).compress(data)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -55,6 +55,10 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
             remote += ["--tokenizer", str(EXAMPLES / "tokenizer" / "tokenizer.json")]
             remote += ["--objective", "qa_reasoning", "--sequence-length", "64", "--json"]
             inspected = cli(remote, env=env)
+            bad = tmp_path / "bad.jsonl"
+            bad.write_text('{"source": "a", "target": " b"}\n{"source": 1}\n')
+            remote_bad = [*remote[:2], str(bad), *remote[3:]]
+            refused = cli(remote_bad, env=env)
             worker_metrics = samples(httpx.get(f"http://127.0.0.1:{worker_port}/metrics").text)
         worker.stop()
         worker_log = worker.log.read_text().splitlines()
@@ -70,6 +74,9 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
     for summary in evals["tasks"].values():
         assert [p["step"] for p in summary["history"]] == [0, total]
     assert inspected.returncode == 1, inspected.stderr  # 3 records cannot fit: exit 1
+    # A file the worker cannot read is bad input, as it is locally: exit 2, naming the line.
+    assert refused.returncode == 2, refused.stderr
+    assert f"{tmp_path / 'bad.jsonl'}:2" in refused.stderr.replace("\n", "")
     report = json.loads(inspected.stdout)
     assert (report["records"], report["refused"]) == (48, 3)
 
@@ -90,7 +97,7 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
     assert worker_metrics["trainctl_worker_steps_total"] == total
     assert worker_metrics["trainctl_worker_step"] == total
     assert worker_metrics['trainctl_worker_attempts_total{status="succeeded"}'] == 3
-    assert worker_metrics['trainctl_worker_jobs_total{kind="inspection"}'] == 1
+    assert worker_metrics['trainctl_worker_jobs_total{kind="inspection"}'] == 2
 
     # JSON logs: every line from an attempt names its run and attempt.
     records = [json.loads(line) for line in worker_log if line.startswith("{")]

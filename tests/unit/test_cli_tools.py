@@ -146,3 +146,35 @@ def test_validate_prints_the_plan_with_sources_and_replay_share(tmp_path: Path) 
     assert phase["replay_token_share"] == pytest.approx(0.25)
     assert plan["replay_token_share"] == pytest.approx(0.25 * 25 / 100)
     assert "replay" in table.stdout and "128x4" in table.stdout and "25.0%" in table.stdout
+
+
+def test_write_fit_to_a_zst_name_writes_zstd_that_reads_back(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "qa.jsonl", [SHORT, LONG, {**SHORT, "id": 2}])
+    out = tmp_path / "qa.fit.jsonl.zst"
+    result = runner.invoke(app, inspect_args(path, "--write-fit", str(out)))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"  # the zstd frame magic
+    again = runner.invoke(app, inspect_args(out, "--json"))
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["records"] == 2
+
+
+def test_text_windows_are_counted_as_training_cuts_them(tmp_path: Path) -> None:
+    """n tokens make (n - 1) // sequence_length windows of sequence_length + 1."""
+    path = tmp_path / "text.txt"
+    path.write_text("the cat sat on the mat\n" * 20)
+    args = [
+        "data",
+        "inspect",
+        str(path),
+        "--tokenizer",
+        str(TOKENIZER),
+        "--objective",
+        "continued_pretrain",
+        "--sequence-length",
+        "16",
+    ]
+    report = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    shown = runner.invoke(app, args, env={"COLUMNS": "200"}).stdout
+    windows = (report["text_tokens"] - 1) // 16
+    assert f"{windows:,} windows" in shown
