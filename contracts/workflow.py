@@ -304,6 +304,32 @@ def _data_file_problem(path: str) -> str | None:
     return None if Path(path).is_file() else f"{path} is not a regular file"
 
 
+def _geometry_problems(
+    where: str, seq: Any, mbs: Any, envelope: int | None, max_positions: Any
+) -> list[Problem]:
+    """A phase's or a source's sequence_length x microbatch_size against the token envelope and
+    the model's positions (values that did not parse are reported elsewhere)."""
+    problems = []
+    if envelope and isinstance(seq, int) and isinstance(mbs, int) and seq * mbs != envelope:
+        problems.append(
+            Problem(
+                path=where,
+                message=(
+                    f"sequence_length {seq} x microbatch_size {mbs} = {seq * mbs} tokens, "
+                    f"but microbatch_tokens is {envelope}"
+                ),
+            )
+        )
+    if isinstance(max_positions, int) and isinstance(seq, int) and seq > max_positions:
+        problems.append(
+            Problem(
+                path=f"{where}.sequence_length",
+                message=f"{seq} exceeds the model's max_position_embeddings {max_positions}",
+            )
+        )
+    return problems
+
+
 def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]:
     """Cross-field checks. They run on whatever parts of the document parse, so that they are
     reported together with the structural errors."""
@@ -358,23 +384,7 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
             else:
                 seen[name] = i
         seq, mbs = raw.get("sequence_length"), raw.get("microbatch_size")
-        if envelope and isinstance(seq, int) and isinstance(mbs, int) and seq * mbs != envelope:
-            add(
-                Problem(
-                    path=f"phases[{i}]",
-                    message=(
-                        f"sequence_length {seq} x microbatch_size {mbs} = {seq * mbs} tokens, "
-                        f"but microbatch_tokens is {envelope}"
-                    ),
-                )
-            )
-        if isinstance(max_positions, int) and isinstance(seq, int) and seq > max_positions:
-            add(
-                Problem(
-                    path=f"phases[{i}].sequence_length",
-                    message=(f"{seq} exceeds the model's max_position_embeddings {max_positions}"),
-                )
-            )
+        problems += _geometry_problems(f"phases[{i}]", seq, mbs, envelope, max_positions)
         schedule, steps = raw.get("schedule"), raw.get("steps")
         if isinstance(schedule, dict) and isinstance(steps, int):
             warmup = schedule.get("warmup_steps")
@@ -412,29 +422,7 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
                 continue  # the phase's geometry, checked above
             s_seq = source.get("sequence_length", seq)
             s_mbs = source.get("microbatch_size", mbs)
-            if (
-                envelope
-                and isinstance(s_seq, int)
-                and isinstance(s_mbs, int)
-                and s_seq * s_mbs != envelope
-            ):
-                add(
-                    Problem(
-                        path=where,
-                        message=(
-                            f"sequence_length {s_seq} x microbatch_size {s_mbs} = "
-                            f"{s_seq * s_mbs} tokens, but microbatch_tokens is {envelope}"
-                        ),
-                    )
-                )
-            if isinstance(max_positions, int) and isinstance(s_seq, int) and s_seq > max_positions:
-                add(
-                    Problem(
-                        path=f"{where}.sequence_length",
-                        message=f"{s_seq} exceeds the model's max_position_embeddings "
-                        f"{max_positions}",
-                    )
-                )
+            problems += _geometry_problems(where, s_seq, s_mbs, envelope, max_positions)
 
     raw_evals = doc.get("evals")
     evals = raw_evals if isinstance(raw_evals, list) else []

@@ -26,7 +26,9 @@ def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
     return path
 
 
-def inspect_args(path: Path, *extra: str) -> list[str]:
+def inspect_args(
+    path: Path, *extra: str, objective: str = "qa_reasoning", sequence_length: int = 32
+) -> list[str]:
     return [
         "data",
         "inspect",
@@ -34,9 +36,9 @@ def inspect_args(path: Path, *extra: str) -> list[str]:
         "--tokenizer",
         str(TOKENIZER),
         "--objective",
-        "qa_reasoning",
+        objective,
         "--sequence-length",
-        "32",
+        str(sequence_length),
         *extra,
     ]
 
@@ -163,17 +165,7 @@ def test_text_windows_are_counted_as_training_cuts_them(tmp_path: Path) -> None:
     """n tokens make (n - 1) // sequence_length windows of sequence_length + 1."""
     path = tmp_path / "text.txt"
     path.write_text("the cat sat on the mat\n" * 20)
-    args = [
-        "data",
-        "inspect",
-        str(path),
-        "--tokenizer",
-        str(TOKENIZER),
-        "--objective",
-        "continued_pretrain",
-        "--sequence-length",
-        "16",
-    ]
+    args = inspect_args(path, objective="continued_pretrain", sequence_length=16)
     report = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
     shown = runner.invoke(app, args, env={"COLUMNS": "200"}).stdout
     windows = (report["text_tokens"] - 1) // 16
