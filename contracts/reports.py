@@ -57,6 +57,9 @@ class Claim(BaseModel):
     # The checkpoint to start from: this phase's latest (resume) or the previous phase's final.
     resume_from: CheckpointRef | None = None
     artifact_dir: str  # <artifact_root>/runs/<run_id>
+    # The encoding rules the run was signed with (contracts.workflow.ENCODER_VERSION); a worker
+    # that encodes otherwise refuses the attempt. None: a run signed before it was signed.
+    encoder_version: int | None = None
 
 
 # Steps are stored in 32-bit columns.

@@ -339,6 +339,7 @@ def claim_attempt(
         phase_index=attempt.phase_index,
         resume_from=None if resume is None else _checkpoint_ref(resume),
         artifact_dir=str(artifact_root / "runs" / run.id),
+        encoder_version=run.signature_components.get("encoder_version"),
     )
 
 

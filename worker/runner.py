@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from contracts.logs import log_context
 from contracts.reports import Claim, ClaimRequest, FailureCause, Finish
 from contracts.signature import sha256_path
-from contracts.workflow import Workflow
+from contracts.workflow import ENCODER_VERSION, Workflow
 from worker import metrics
 from worker.client import ServiceClient, Superseded
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
@@ -103,6 +103,7 @@ def _train_and_finish(
     outcome: PhaseOutcome | None = None
     try:
         workflow = _parse_workflow(claim)
+        verify_encoder(claim)
         start = claim.resume_from.step if claim.resume_from is not None else 0
         with reporter.keepalive(start):  # hashing large inputs reports nothing for a while
             verify_inputs(claim, workflow)
@@ -160,6 +161,17 @@ def _parse_workflow(claim: Claim) -> Workflow:
         return Workflow.model_validate(claim.workflow)
     except ValidationError as err:
         raise ConfigError(f"the claimed workflow does not parse: {err}") from err
+
+
+def verify_encoder(claim: Claim) -> None:
+    """The run was signed under encoding rules this worker must share: a worker of another
+    version (a rolling upgrade) would train on other token ids than the run's identity says."""
+    if claim.encoder_version != ENCODER_VERSION:
+        raise ConfigError(
+            f"run {claim.run_id} was signed with encoder version {claim.encoder_version}, this "
+            f"worker encodes with version {ENCODER_VERSION}; run it on workers of the run's "
+            "version, or start a new run"
+        )
 
 
 def verify_inputs(claim: Claim, workflow: Workflow) -> None:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from contracts.reports import CheckpointRef, Claim, EvalResult
 from contracts.signature import Digests, sha256_path
-from contracts.workflow import Workflow
+from contracts.workflow import ENCODER_VERSION, Workflow
 from worker.checkpoint import verify_checkpoint
 from worker.reporter import Action
 
@@ -218,6 +218,7 @@ def make_claim(tmp_path: Path) -> Callable[..., Claim]:
             phase_index=phase_index,
             resume_from=resume_from,
             artifact_dir=str(artifact_dir or tmp_path / "run"),
+            encoder_version=ENCODER_VERSION,
         )
 
     return make

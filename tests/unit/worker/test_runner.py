@@ -11,7 +11,7 @@ import pytest
 
 from contracts.reports import Claim
 from contracts.signature import sha256_path
-from contracts.workflow import Workflow
+from contracts.workflow import ENCODER_VERSION, Workflow
 from worker.client import ServiceClient, ServiceUnavailable
 from worker.runner import run_attempt
 from worker.settings import WorkerSettings
@@ -145,6 +145,20 @@ def test_a_changed_data_file_refuses_to_train_naming_the_file_and_digests(
     assert path in finish["message"]
     assert claim.digests.data[path] in finish["message"]  # the expected digest
     assert sha256_path(path) in finish["message"]  # and the actual one
+
+
+def test_a_worker_of_other_encoding_rules_refuses_the_attempt(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    """A rolling upgrade: the run was signed under other encoding rules than this worker's."""
+    claim = make_claim(workflow).model_copy(update={"encoder_version": ENCODER_VERSION - 1})
+    service = InProcessService(claim)
+    assert attempt(service, settings) is None
+
+    assert service.kinds() == ["claim", "finish"]
+    (finish,) = service.of("finish")
+    assert finish["status"] == "failed" and finish["cause"] == "config"
+    assert f"encoder version {ENCODER_VERSION - 1}" in finish["message"]
 
 
 def test_bad_data_fails_with_cause_data_naming_file_and_line(
