@@ -56,7 +56,7 @@ from typing import Any
 
 import httpx
 
-from cli.stack import free_port, wait_healthy
+from cli.stack import Proc, child_env, free_port, wait_healthy
 from contracts.workflow import resolve_paths
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,51 +75,7 @@ class BenchError(Exception):
     pass
 
 
-# --- processes (after tests/integration/procs.py) ------------------------------------------
-
-
-def child_env(env: dict[str, str]) -> dict[str, str]:
-    """This environment without the caller's own TRAINCTL_* settings, plus `env`."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TRAINCTL_")}
-    return {**inherited, "PYTHONUNBUFFERED": "1", **env}
-
-
-class Proc:
-    """A `python -m cli ...` child in its own process group, its output in a log file."""
-
-    def __init__(self, args: list[str], *, env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "cli", *args],
-            env=child_env(env),
-            cwd=ROOT,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 15) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.popen.wait()
-            except ProcessLookupError:
-                pass
-        self._out.close()
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+# --- processes (cli.stack.Proc, as the integration tests use) ---------------------------
 
 
 def run_cli(args: list[str], *, env: dict[str, str]) -> str:

@@ -49,6 +49,44 @@ def stop(process: subprocess.Popen, *, grace: float = WORKER_STOP_SECONDS) -> No
         pass
 
 
+def child_env(env: Mapping[str, str]) -> dict[str, str]:
+    """This environment without the caller's own TRAINCTL_* settings, plus `env`: a child
+    configured by `env` alone (tests and benchmarks run several stacks side by side)."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TRAINCTL_")}
+    return {**inherited, "PYTHONUNBUFFERED": "1", **env}
+
+
+class Proc:
+    """A `python -m cli ...` child configured by `env` alone (child_env), in its own process
+    group, its output in a log file; for the tests and benchmarks that run whole stacks."""
+
+    def __init__(self, args: list[str], *, env: Mapping[str, str], log: Path) -> None:
+        self.log = log
+        self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "cli", *args],
+            env=child_env(env),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM to its group, SIGKILL after `timeout` seconds."""
+        stop(self.popen, grace=timeout)
+        self._out.close()
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
 def wait_healthy(url: str, *, timeout: float, process: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from worker import failpoint
 from worker.error import CheckpointError
+from worker.files import fsync_dir, fsync_file
 from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
 from worker.optim import Optimizers
 
@@ -229,7 +230,7 @@ def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer
 
     parts = sorted(p for p in tmp.rglob("*") if p.is_file())
     for part in parts:
-        _fsync_file(part)
+        fsync_file(part)
     manifest = {
         "step": state.step,
         "files": {
@@ -239,8 +240,8 @@ def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer
     }
     # The manifest is written last: a directory with a verifying manifest is complete.
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync_file(tmp / MANIFEST)
-    _fsync_dir(tmp)
+    fsync_file(tmp / MANIFEST)
+    fsync_dir(tmp)
     return tmp
 
 
@@ -260,7 +261,7 @@ def publish_checkpoint(tmp: Path) -> Path:
             if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
         else:
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             return final
         problem = _unusable_as(final, state)
         if problem is None:
@@ -363,19 +364,6 @@ class CheckpointWriter:
         self._executor.shutdown(wait=True)
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -436,7 +424,7 @@ def quarantine_checkpoint(path: Path) -> Path | None:
         return None
     target = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
     os.replace(path, target)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return target
 
 

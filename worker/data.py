@@ -170,15 +170,20 @@ class RecordSource:
 class PhaseData:
     sources: list[TextSource | RecordSource]
     pad_id: int
-    # Source of each of the phase's microbatches, in order, and how many earlier microbatches
-    # of the phase came from the same source (its microbatch index within the source).
+    # Source of each of the phase's microbatches, in order; and per source, how many of the
+    # first m microbatches came from it (row m, int32: [microbatches + 1, sources]).
     schedule: np.ndarray
-    ordinal: np.ndarray
+    counts: np.ndarray
     grad_accum: int
     reports: list[InspectionReport] = field(default_factory=list)
 
     def names(self) -> list[str]:
         return [s.geometry.name for s in self.sources]
+
+    def realised_shares(self, phase_step: int) -> np.ndarray:
+        """Each source's share of the microbatches of phase steps 1 .. phase_step."""
+        m = phase_step * self.grad_accum
+        return self.counts[m] / m
 
 
 def mixture_schedule(weights: Sequence[float], count: int) -> np.ndarray:
@@ -191,12 +196,10 @@ def mixture_schedule(weights: Sequence[float], count: int) -> np.ndarray:
     return np.minimum(np.searchsorted(edges, u, side="right"), len(shares) - 1).astype(np.int32)
 
 
-def _ordinals(schedule: np.ndarray, sources: int) -> np.ndarray:
-    out = np.zeros(len(schedule), dtype=np.int64)
-    for s in range(sources):
-        where = schedule == s
-        out[where] = np.arange(int(where.sum()))
-    return out
+def _cumulative_counts(schedule: np.ndarray, sources: int) -> np.ndarray:
+    counts = np.zeros((len(schedule) + 1, sources), dtype=np.int32)
+    counts[1:] = np.cumsum(np.eye(sources, dtype=np.int32)[schedule], axis=0)
+    return counts
 
 
 def load_phase_data(phase: Phase, tokenizer: Tokenizer) -> PhaseData:
@@ -242,7 +245,7 @@ def load_phase_data(phase: Phase, tokenizer: Tokenizer) -> PhaseData:
         sources=sources,
         pad_id=pad_id,
         schedule=schedule,
-        ordinal=_ordinals(schedule, len(sources)),
+        counts=_cumulative_counts(schedule, len(sources)),
         grad_accum=phase.grad_accum,
         reports=reports,
     )
@@ -338,7 +341,7 @@ def batch_for_step(data: PhaseData, *, seed: int, phase_index: int, step: int, m
     index = int(data.schedule[m])
     source = data.sources[index]
     seq, rows = source.geometry.sequence_length, source.geometry.microbatch_size
-    first = int(data.ordinal[m]) * rows
+    first = int(data.counts[m, index]) * rows  # this source's microbatches before m
     if isinstance(source, TextSource):
         windows = [
             source.window(g, seed=seed, phase_index=phase_index, index=index)

@@ -156,8 +156,11 @@ def evaluate_checkpoint(
     step, phase = 0, ""
     state = directory / "state.json"
     if state.is_file():
-        saved = json.loads(state.read_text())
-        step, phase = int(saved.get("step", 0)), str(saved.get("phase_name", ""))
+        try:
+            saved = json.loads(state.read_text())
+            step, phase = int(saved.get("step", 0)), str(saved.get("phase_name", ""))
+        except (ValueError, AttributeError) as err:  # not JSON, not an object, not a number
+            raise ConfigError(f"checkpoint {state} is not a trainctl state file: {err}") from err
     spec = EvalSpec(task=request.task, data=request.data)
     data = load_eval_data(tokenizer, spec, sequence_length=request.sequence_length)
     return evaluate_task(model, data, batch_size=request.batch_size, step=step, phase=phase)

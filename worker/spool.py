@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from contracts.reports import CheckpointReport, EvalBatch, Finish, MetricBatch
+from worker.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Spool:
             f.flush()
             os.fsync(f.fileno())
         os.replace(part, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._next += 1
         return path
 
@@ -159,11 +160,3 @@ class Spool:
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

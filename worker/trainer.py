@@ -356,10 +356,9 @@ def _source_metrics(
         f"loss/{names[i]}": value / result.by_source[i][1]
         for i, value in zip(sources, nll, strict=True)
     }
-    done = data.schedule[: phase_step * data.grad_accum]
-    counts = np.bincount(done, minlength=len(names))
+    shares = data.realised_shares(phase_step)
     for i, name in enumerate(names):
-        out[f"token_share/{name}"] = float(counts[i]) / len(done)
+        out[f"token_share/{name}"] = float(shares[i])
     return out
 
 

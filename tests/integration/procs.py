@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from cli.stack import free_port, wait_healthy
+from cli.stack import Proc, child_env, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "workflows" / "demo.json"
@@ -37,46 +35,6 @@ def short_demo_workflow(*, pretrain_steps: int = 10, sft_steps: int = 6) -> dict
     doc["checkpoint"] = {"every_steps": 5, "keep_last": 2}
     doc["evals"] = [{**e, "every_steps": 5} for e in doc["evals"]]
     return doc
-
-
-def child_env(env: dict[str, str]) -> dict[str, str]:
-    """The test's environment for a child, without the caller's own TRAINCTL_* settings."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TRAINCTL_")}
-    return {**inherited, "PYTHONUNBUFFERED": "1", **env}
-
-
-class Proc:
-    """A `python -m cli ...` child in its own process group, its output in a log file."""
-
-    def __init__(self, args: list[str], *, env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "cli", *args],
-            env=child_env(env),
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def stop(self, timeout: float = 20) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-            except ProcessLookupError:
-                pass
-        self._out.close()
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
 @contextmanager

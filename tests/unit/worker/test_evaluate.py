@@ -249,6 +249,12 @@ def test_evaluate_checkpoint_gives_the_number_evaluate_task_gives_for_the_same_m
     )
     assert (again.step, again.phase) == (12, "sft")
     assert again.cross_entropy == pytest.approx(expected.cross_entropy, rel=1e-6)
+    # A state file that is not trainctl's is a clear error, not a traceback.
+    (checkpoint / "state.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a trainctl state file"):
+        evaluate_checkpoint(
+            EvaluateRequest(**request, tokenizer=str(tokenizer_path), sequence_length=SEQ)
+        )
 
 
 def test_evaluate_checkpoint_refuses_a_directory_without_a_model(

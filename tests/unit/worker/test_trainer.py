@@ -317,7 +317,7 @@ def test_a_pause_answer_checkpoints_now_and_ends_paused(
     make_text_file: Callable[..., Path],
 ) -> None:
     workflow = make_workflow(
-        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 8}],
+        [pretrain_phase(make_text_file(), steps=8)],
         checkpoint={"every_steps": 100, "keep_last": 2},
     )
     reporter = make_reporter(pause_at=3)
@@ -342,7 +342,7 @@ def test_a_revived_zombie_writes_nothing_into_the_new_owners_checkpoints(
     make_text_file: Callable[..., Path],
 ) -> None:
     workflow = make_workflow(
-        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 6}],
+        [pretrain_phase(make_text_file(), steps=6)],
         checkpoint={"every_steps": 2, "keep_last": 2},
     )
     owner = make_claim(workflow)
@@ -460,7 +460,7 @@ def test_a_corrupt_resume_checkpoint_is_quarantined_and_the_previous_one_used(
     tmp_path: Path,
 ) -> None:
     workflow = make_workflow(
-        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 8}],
+        [pretrain_phase(make_text_file(), steps=8)],
         checkpoint={"every_steps": 2, "keep_last": 5},
     )
     straight = make_reporter()
@@ -498,7 +498,7 @@ def test_without_a_usable_older_checkpoint_the_resume_fails_naming_it(
     tmp_path: Path,
 ) -> None:
     workflow = make_workflow(
-        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 4}],
+        [pretrain_phase(make_text_file(), steps=4)],
         checkpoint={"every_steps": 2, "keep_last": 5},
     )
     reporter = make_reporter()
@@ -526,7 +526,7 @@ def test_retention_keeps_the_resume_checkpoint_until_a_newer_one_is_registered(
     tmp_path: Path,
 ) -> None:
     workflow = make_workflow(
-        [{"name": "pt", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 8}],
+        [pretrain_phase(make_text_file(), steps=8)],
         checkpoint={"every_steps": 2, "keep_last": 2},
     )
     first = make_reporter()
