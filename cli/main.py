@@ -60,7 +60,7 @@ def serve(
     """Run the API alone, with settings from TRAINCTL_* (Postgres and Redis in production)."""
     import uvicorn
 
-    from contracts.logs import configure_logging
+    from runtime.logs import configure_logging
     from service.app import create_app
     from service.db import upgrade_database
     from service.settings import ServiceSettings
@@ -93,7 +93,7 @@ def up(
     import uvicorn
 
     from cli.stack import spawn, stop
-    from contracts.logs import configure_logging
+    from runtime.logs import configure_logging
     from service.app import create_app
     from service.auth import ensure_tokens
     from service.db import upgrade_database

@@ -19,12 +19,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.dispatch import (
-    EVALUATE_CHECKPOINT_TASK,
-    INSPECT_DATASET_TASK,
-    RUN_PHASE_TASK,
-    broker_options,
-)
+from contracts.dispatch import EVALUATE_CHECKPOINT_TASK, INSPECT_DATASET_TASK, RUN_PHASE_TASK
+from runtime.broker import broker_options
 from service.models import Job, OutboxMessage, utcnow
 from service.periodic import Periodic
 

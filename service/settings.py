@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.dispatch import DEFAULT_QUEUE
-from contracts.logs import LogFormat
+from runtime.logs import LogFormat
 
 DEFAULT_HOME = "~/.trainctl"
 _DATABASE_SCHEMES = ("sqlite:", "postgresql:", "postgresql+psycopg:", "postgres:")

@@ -9,8 +9,8 @@ from typing import Any
 from celery import Celery
 from celery.signals import setup_logging
 
-from contracts.dispatch import broker_options
-from contracts.logs import configure_logging
+from runtime.broker import broker_options
+from runtime.logs import configure_logging
 from worker.settings import WorkerSettings, get_settings
 
 # Redis redelivers a message not acknowledged within this time to another worker. Messages

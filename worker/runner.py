@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from contracts.logs import log_context
 from contracts.reports import Claim, ClaimRequest, FailureCause, Finish
 from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
+from runtime.logs import log_context
 from worker import metrics
 from worker.client import ServiceClient, Superseded
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin

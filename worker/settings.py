@@ -10,7 +10,7 @@ from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.dispatch import DEFAULT_QUEUE
-from contracts.logs import LogFormat
+from runtime.logs import LogFormat
 
 
 class WorkerSettings(BaseSettings):

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from contracts.dispatch import RUN_PHASE_TASK, broker_options
+from contracts.dispatch import RUN_PHASE_TASK
+from runtime.broker import broker_options
 from worker.settings import WorkerSettings, get_settings
 
 

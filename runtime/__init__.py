@@ -1,0 +1,7 @@
+"""What both sides run on and neither owns: the embedded broker's transport, the log set-up
+and the resolution of user-given paths.
+
+`service`, `worker` and `cli` may import it; it imports `contracts`, the standard library and
+the libraries both sides already carry (kombu, through Celery), never a side, torch or
+SQLAlchemy (tests/unit/test_import_walls.py).
+"""
