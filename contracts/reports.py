@@ -1,7 +1,8 @@
 """What travels between the service and a worker over `/internal/attempts/{id}/...`.
 
-Every request a worker makes after its claim carries the attempt's `fencing_token`; the
-service refuses reports whose token is not the attempt's current one (409 `superseded`).
+Every request a worker makes after its claim carries the attempt's `fencing_token`, the
+claim's random secret: the service refuses reports whose secret is not the attempt's current
+one (409 `superseded`), and any report from another worker token than the claimant's (403).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from contracts.signature import Digests
-from contracts.workflow import MAX_COUNT
+from contracts.bounds import MAX_COUNT, MAX_HOSTNAME, MAX_NAME, MAX_TASK
 
 # One request may carry at most this many metric points; the reporter splits larger batches.
 MAX_POINTS_PER_BATCH = 1000
@@ -24,12 +25,19 @@ FailureCause = Literal[
     "infrastructure",
     "restarts_exhausted",
     "signature_mismatch",
+    "checkpoint",
 ]
+
+# A claim's secret: what `secrets.token_urlsafe(24)` makes, with room to spare.
+FencingToken = Annotated[str, Field(min_length=1, max_length=64)]
 
 
 class ClaimRequest(BaseModel):
-    hostname: str
-    pid: int
+    hostname: str = Field(min_length=1, max_length=MAX_HOSTNAME)
+    pid: int = Field(ge=1, le=MAX_COUNT)
+    # Chosen by the claimant once per claim and sent again with every retry of it: a retry
+    # whose first try won (its answer lost on the way) gets the same claim back.
+    nonce: str = Field(min_length=1, max_length=64)
 
 
 class CheckpointRef(BaseModel):
@@ -47,7 +55,7 @@ class Claim(BaseModel):
     attempt_id: str
     run_id: str
     attempt_number: int
-    fencing_token: int
+    fencing_token: FencingToken
     lease_seconds: float
     workflow: dict[str, Any]  # normalised workflow (contracts.workflow.Workflow)
     signature: str
@@ -62,13 +70,17 @@ class Claim(BaseModel):
     encoder_version: int | None = None
 
 
-# Steps are stored in 32-bit columns.
+# Steps and counts are stored in 32-bit columns.
 Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 class Heartbeat(BaseModel):
-    fencing_token: int
+    fencing_token: FencingToken
     step: Step
+    # A counter that only grows while the worker works (steps, eval batches, checkpoint
+    # writes, preparation units): the service judges a stall by it, not by the heartbeat.
+    progress: int = Field(default=0, ge=0, le=2**63 - 1)
 
 
 class HeartbeatAnswer(BaseModel):
@@ -85,35 +97,35 @@ class MetricPoint(BaseModel):
 
 
 class MetricBatch(BaseModel):
-    fencing_token: int
+    fencing_token: FencingToken
     points: list[MetricPoint] = Field(max_length=MAX_POINTS_PER_BATCH)
 
 
 class EvalResult(BaseModel):
     """One task's evaluation at one step: token-weighted, target-only cross-entropy."""
 
-    task: str = Field(max_length=64)
+    task: str = Field(max_length=MAX_TASK)
     step: Step
-    phase: str = Field(max_length=200)
+    phase: str = Field(max_length=MAX_NAME)
     cross_entropy: float
     perplexity: float
-    records: int
-    target_tokens: int
-    oversized_records: int = 0
+    records: Count
+    target_tokens: Count
+    oversized_records: Count = 0
 
 
 class EvalBatch(BaseModel):
-    fencing_token: int
+    fencing_token: FencingToken
     results: list[EvalResult]
 
 
 class CheckpointReport(BaseModel):
-    fencing_token: int
+    fencing_token: FencingToken
     checkpoint: CheckpointRef
 
 
 class Finish(BaseModel):
-    fencing_token: int
+    fencing_token: FencingToken
     status: Literal["succeeded", "failed", "preempted", "paused"]
     step: Step
     cause: FailureCause | None = None
@@ -122,3 +134,40 @@ class Finish(BaseModel):
 
 class Accepted(BaseModel):
     accepted: int
+
+
+class WorkerPing(BaseModel):
+    """What a worker process says about itself every few seconds (`/internal/workers/ping`),
+    so that the service knows it is there even while it has no attempt. `pid` is the process
+    that claims attempts (Celery's solo pool trains in the worker's own process)."""
+
+    hostname: str = Field(min_length=1, max_length=255)
+    pid: int = Field(ge=1, le=MAX_COUNT)
+    version: str = Field(min_length=1, max_length=64)
+    queue: str = Field(min_length=1, max_length=200)
+
+
+# A removal's reason is a sentence with a path or two in it; a longer one is cut by the worker.
+MAX_REMOVAL_REASON = 2000
+RemovalStatus = Literal["deleted", "quarantined"]
+
+
+class CheckpointRemoval(BaseModel):
+    """A registered checkpoint of this run the worker took out of use on disk: retention
+    deleted it (`deleted`), or it failed verification and was renamed aside (`quarantined`).
+    Posted to `/internal/attempts/{id}/checkpoints/removals` after the fact, spooled like every
+    report while the service is down."""
+
+    fencing_token: FencingToken
+    step: Step
+    status: RemovalStatus
+    reason: str = Field(min_length=1, max_length=MAX_REMOVAL_REASON)
+
+
+class CheckpointRegistered(BaseModel):
+    """The answer to a checkpoint registration: the steps of this run's checkpoints that an
+    unfinished run starts from as its initial checkpoint, at the moment of the answer.
+    Retention keeps them (they are pinned)."""
+
+    accepted: int
+    pinned_steps: list[int] = []

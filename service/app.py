@@ -15,7 +15,7 @@ from service.dispatch import OutboxPump, make_celery
 from service.errors import install_error_handlers
 from service.observability import MetricsMiddleware, Observability
 from service.reaper import Reaper
-from service.routes import dashboard, events, health, internal, jobs, runs, workflows
+from service.routes import dashboard, events, health, internal, jobs, runs, workers, workflows
 from service.settings import ServiceSettings
 
 
@@ -35,6 +35,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         session_factory=session_factory,
         dispatch=pump.dispatch,
         interval=settings.reaper_interval_seconds,
+        lease_seconds=settings.lease_seconds,
+        stall_seconds=settings.stall_seconds,
         job_timeout=settings.job_timeout_seconds,
     )
 
@@ -64,8 +66,19 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, observability=app.state.observability)
     app.add_middleware(internal.BodyLimit)
-    for module in (health, workflows, runs, jobs, events, internal, observability, dashboard):
+    for module in (
+        health,
+        workflows,
+        runs,
+        jobs,
+        events,
+        workers,
+        internal,
+        observability,
+        dashboard,
+    ):
         app.include_router(module.router)
+    app.include_router(workers.internal_router)
     app.mount(dashboard.STATIC_PATH, dashboard.static_files(), name="static")
     return app
 

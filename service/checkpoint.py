@@ -1,26 +1,137 @@
-"""Registered checkpoints of a run (the files themselves live in the artifact store)."""
+"""The registry of a run's checkpoints (the files themselves live in the artifact store).
+
+A checkpoint's status follows the disk: `usable` from its registration until its worker reports
+it `deleted` (retention) or `quarantined` (it failed verification and was renamed aside), with
+the reason. Only usable checkpoints are listed by default, handed out as `resume_from`, or taken
+as another run's initial checkpoint. A step registered again (a resumed attempt writing it anew)
+is usable again.
+
+Pins: a checkpoint that an unfinished run (not succeeded, failed or cancelled) names as its
+initial checkpoint (`{"run", "step"}`, kept in the run's signature components) is pinned. The
+answer to each registration carries the run's pinned steps and worker retention keeps them; a
+report that a pinned checkpoint was deleted is refused (409 `checkpoint_pinned`), so the
+registry never says "deleted" of what a run still needs.
+"""
 
 from __future__ import annotations
+
+from collections import defaultdict
+from typing import Final, Literal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.models import Checkpoint
+from contracts.reports import CheckpointRemoval
+from service.errors import ApiError
+from service.lifecycle import FINISHED_RUN
+from service.models import ApiToken, Checkpoint, Run, utcnow
+
+USABLE: Final = "usable"
+# What GET /runs/{id}/checkpoints lists: one status, or every checkpoint ever registered.
+CheckpointFilter = Literal["usable", "deleted", "quarantined", "all"]
 
 
-def list_checkpoints(*, session: Session, run_id: str) -> list[Checkpoint]:
-    return list(
-        session.scalars(
-            select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
-        )
-    )
+def list_checkpoints(
+    *, session: Session, run_id: str, status: CheckpointFilter = USABLE
+) -> list[Checkpoint]:
+    """The run's checkpoints of `status` (default: usable ones), oldest first."""
+    query = select(Checkpoint).where(Checkpoint.run_id == run_id)
+    if status != "all":
+        query = query.where(Checkpoint.status == status)
+    return list(session.scalars(query.order_by(Checkpoint.step)))
 
 
 def latest_checkpoint(*, session: Session, run_id: str) -> Checkpoint | None:
-    """The newest registered checkpoint, by global step: where any new attempt starts from."""
+    """The newest usable checkpoint, by global step: where any new attempt starts from."""
     return session.scalars(
         select(Checkpoint)
-        .where(Checkpoint.run_id == run_id)
+        .where(Checkpoint.run_id == run_id, Checkpoint.status == USABLE)
         .order_by(Checkpoint.step.desc())
         .limit(1)
     ).one_or_none()
+
+
+def usable_checkpoint(
+    *, session: Session, run_id: str, step: int, lock: bool = False
+) -> Checkpoint | None:
+    """The run's usable checkpoint at `step`, if any. With `lock` (Postgres), its row stays
+    locked until commit: a run created from it and a concurrent report that it was deleted
+    serialise, and the report then sees the new run's pin."""
+    query = select(Checkpoint).where(
+        Checkpoint.run_id == run_id, Checkpoint.step == step, Checkpoint.status == USABLE
+    )
+    return session.scalars(query.with_for_update() if lock else query).one_or_none()
+
+
+def pins(*, session: Session, run_id: str) -> dict[int, list[str]]:
+    """Step -> the unfinished runs that start from the run's checkpoint at that step."""
+    initial = Run.signature_components
+    query = select(initial[("initial_checkpoint", "step")].as_integer(), Run.id).where(
+        initial[("initial_checkpoint", "run")].as_string() == run_id,
+        Run.status.not_in(FINISHED_RUN),
+    )
+    pinned: dict[int, list[str]] = defaultdict(list)
+    for step, pinning_run in session.execute(query.order_by(Run.id)):
+        pinned[step].append(pinning_run)
+    return dict(pinned)
+
+
+def pinned_steps(*, session: Session, run_id: str) -> list[int]:
+    """The steps of the run's checkpoints that retention must keep, ascending."""
+    return sorted(pins(session=session, run_id=run_id))
+
+
+def remove_checkpoint(
+    *,
+    session: Session,
+    attempt_id: str,
+    removal: CheckpointRemoval,
+    token: ApiToken,
+    lease_seconds: float,
+) -> Checkpoint | None:
+    """Record that the worker of `attempt_id` deleted or quarantined its run's checkpoint at
+    `removal.step`. Fenced like every report (and renews the lease). A step the registry does
+    not hold (a dead attempt's leftover that was never registered) changes nothing: None. A
+    deletion of a pinned checkpoint is 409 `checkpoint_pinned` and changes nothing either; a
+    quarantine is always recorded (the files are unusable whoever needs them)."""
+    # service.lease imports this module (the claim resumes from `latest_checkpoint`).
+    from service.lease import fence
+
+    attempt = fence(
+        session=session,
+        attempt_id=attempt_id,
+        fencing_token=removal.fencing_token,
+        token=token,
+        lease_seconds=lease_seconds,
+    )
+    checkpoint = session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == attempt.run_id, Checkpoint.step == removal.step)
+        .with_for_update()
+    ).one_or_none()
+    if checkpoint is None:
+        session.commit()  # the lease renewal
+        return None
+    if removal.status == "deleted":
+        needed_by = pins(session=session, run_id=attempt.run_id).get(removal.step, [])
+        if needed_by:
+            session.rollback()
+            raise _pinned(checkpoint, needed_by)
+    checkpoint.status = removal.status
+    checkpoint.reason = removal.reason
+    checkpoint.removed_at = utcnow()
+    session.commit()
+    return checkpoint
+
+
+def _pinned(checkpoint: Checkpoint, needed_by: list[str]) -> ApiError:
+    runs = ", ".join(needed_by)
+    return ApiError(
+        409,
+        "checkpoint_pinned",
+        f"step {checkpoint.step}: the checkpoint {checkpoint.path} of run {checkpoint.run_id} "
+        f"is the initial checkpoint of unfinished run(s) {runs}; retention must keep it "
+        "while they need it (the answer to each checkpoint registration lists the pinned "
+        "steps)",
+        {"run_id": checkpoint.run_id, "step": checkpoint.step, "pinned_by": needed_by},
+    )

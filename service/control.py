@@ -10,10 +10,11 @@ from __future__ import annotations
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.attempt import expire_attempt, lease_expired, lock_current_attempt
 from service.db import rowcount
 from service.errors import ApiError
-from service.models import FINISHED_RUN_STATUSES, Attempt, Run, utcnow
+from service.lease import expire_attempt, lease_expired
+from service.lifecycle import FINISHED_RUN, lock_current_attempt
+from service.models import Attempt, Run, utcnow
 from service.run import get_run
 
 
@@ -51,7 +52,7 @@ def _set_run_unless_finished(session: Session, run: Run, **values: object) -> bo
     won = rowcount(
         session.execute(
             update(Run)
-            .where(Run.id == run.id, Run.status.not_in(FINISHED_RUN_STATUSES))
+            .where(Run.id == run.id, Run.status.not_in(FINISHED_RUN))
             .values(updated_at=utcnow(), **values)
         )
     )
@@ -64,7 +65,7 @@ def pause_run(*, session: Session, run_id: str) -> Run:
     finishes `paused`. Repeating it changes nothing. 409 `run_finished` for a finished run.
     Commits."""
     run, current = _lock(session, run_id)
-    if run.status in FINISHED_RUN_STATUSES:
+    if run.status in FINISHED_RUN:
         session.rollback()
         raise _run_finished(run, "paused")
     if run.status == "paused" or run.pause_requested_at is not None:
@@ -106,7 +107,7 @@ def cancel_run(*, session: Session, run_id: str) -> Run:
     if run.status == "cancelled":
         session.rollback()
         return run
-    if run.status in FINISHED_RUN_STATUSES:
+    if run.status in FINISHED_RUN:
         session.rollback()
         raise _run_finished(run, "cancelled")
     if current is not None and current.status in ("queued", "running"):

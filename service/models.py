@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     CheckConstraint,
     DateTime,
     Float,
@@ -27,20 +28,30 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from contracts.bounds import MAX_HOSTNAME, MAX_ID, MAX_NAME, MAX_TASK, SHA256_HEX
 from contracts.jobs import JobKind, JobStatus
 
-RunStatus = Literal["queued", "running", "recovering", "paused", "succeeded", "failed", "cancelled"]
-RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
-FINISHED_RUN_STATUSES = ("succeeded", "failed", "cancelled")
-
-AttemptStatus = Literal[
-    "queued", "running", "succeeded", "failed", "preempted", "paused", "lost", "superseded"
-]
-ATTEMPT_STATUSES: tuple[str, ...] = get_args(AttemptStatus)
+# The statuses' check constraints. The statuses themselves, their transitions and every write
+# of them live in service/lifecycle.py (which imports this module, so it cannot be imported
+# here); tests/unit/service/test_lifecycle.py keeps the two equal.
+RUN_STATUSES = ("queued", "running", "recovering", "paused", "succeeded", "failed", "cancelled")
+ATTEMPT_STATUSES = (
+    "queued",
+    "running",
+    "succeeded",
+    "failed",
+    "preempted",
+    "paused",
+    "lost",
+    "superseded",
+)
 
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)
 JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 FINISHED_JOB_STATUSES = ("succeeded", "failed")
+
+CheckpointStatus = Literal["usable", "deleted", "quarantined"]
+CHECKPOINT_STATUSES: tuple[str, ...] = get_args(CheckpointStatus)
 
 TokenRole = Literal["admin", "worker"]
 TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
@@ -108,8 +119,8 @@ class Workflow(Base):
 
     __tablename__ = "workflows"
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    name: Mapped[str] = mapped_column(String(200))
+    id: Mapped[str] = mapped_column(String(SHA256_HEX), primary_key=True)
+    name: Mapped[str] = mapped_column(String(MAX_NAME))
     spec: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -122,9 +133,9 @@ class Run(Base):
         Index("ix_runs_status", "status"),
     )
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_run_id)
+    id: Mapped[str] = mapped_column(String(MAX_ID), primary_key=True, default=new_run_id)
     workflow_id: Mapped[str] = mapped_column(ForeignKey("workflows.id"))
-    name: Mapped[str] = mapped_column(String(200))
+    name: Mapped[str] = mapped_column(String(MAX_NAME))
     status: Mapped[str] = mapped_column(String(16), default="queued")
     cause: Mapped[str | None] = mapped_column(String(32))
     message: Mapped[str | None] = mapped_column(Text)
@@ -135,7 +146,7 @@ class Run(Base):
     phase_index: Mapped[int] = mapped_column(default=0)
     step: Mapped[int] = mapped_column(default=0)
     total_steps: Mapped[int]
-    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(MAX_NAME), unique=True)
     # SHA-256 of the request that used idempotency_key: the same key with another body is a
     # conflict, not a replay.
     request_sha256: Mapped[str | None] = mapped_column(String(64))
@@ -154,7 +165,8 @@ class Run(Base):
 
 class Attempt(Base):
     """One try at one phase of a run. Claimed by exactly one worker (conditional UPDATE); every
-    report after the claim carries `fencing_token`, so a superseded worker cannot write."""
+    report after the claim carries `fencing_token`, the claim's random secret, so a superseded
+    or foreign worker cannot write."""
 
     __tablename__ = "attempts"
     __table_args__ = (
@@ -168,8 +180,17 @@ class Attempt(Base):
     number: Mapped[int]
     phase_index: Mapped[int]
     status: Mapped[str] = mapped_column(String(16), default="queued")
-    fencing_token: Mapped[int] = mapped_column(default=0)
-    worker_hostname: Mapped[str | None] = mapped_column(String(255))
+    # The claim's secret (None until claimed); every report must present it.
+    fencing_token: Mapped[str | None] = mapped_column(String(64))
+    # Who won the claim: a retry with the same nonce gets the same claim back, and reports
+    # from any other worker token are refused.
+    claim_nonce: Mapped[str | None] = mapped_column(String(64))
+    claim_token_id: Mapped[str | None] = mapped_column(String(32))
+    # What the worker last said it had done (a counter that only grows while it works), and
+    # when that last moved: an attempt whose progress stalls is lost with cause `stalled`.
+    progress: Mapped[int | None] = mapped_column(BigInteger)
+    progress_at: Mapped[datetime | None]
+    worker_hostname: Mapped[str | None] = mapped_column(String(MAX_HOSTNAME))
     worker_pid: Mapped[int | None]
     # No foreign key: attempts and checkpoints would reference each other, and SQLite cannot
     # add the second constraint after both tables exist.
@@ -183,10 +204,15 @@ class Attempt(Base):
 
 
 class Checkpoint(Base):
-    """A complete checkpoint, registered by the worker after its manifest was written."""
+    """A complete checkpoint, registered by the worker after its manifest was written. Its
+    status follows the disk: a worker reports what retention deleted and what verification
+    quarantined; only `usable` ones are listed by default or resumed from."""
 
     __tablename__ = "checkpoints"
-    __table_args__ = (UniqueConstraint("run_id", "step"),)
+    __table_args__ = (
+        UniqueConstraint("run_id", "step"),
+        CheckConstraint(_one_of("status", CHECKPOINT_STATUSES), name="status"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -196,6 +222,9 @@ class Checkpoint(Base):
     phase_step: Mapped[int]
     path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    status: Mapped[str] = mapped_column(String(16), default="usable", server_default="usable")
+    reason: Mapped[str | None] = mapped_column(Text)  # why it was deleted or quarantined
+    removed_at: Mapped[datetime | None]
 
 
 class MetricPoint(Base):
@@ -205,7 +234,7 @@ class MetricPoint(Base):
     __tablename__ = "metrics"
 
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    name: Mapped[str] = mapped_column(String(MAX_NAME), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True)
     # Non-finite points are refused per item (service.attempt.point_error); NULL is left only
     # in rows stored before that, when NaN and inf were kept as NULL.
@@ -219,10 +248,10 @@ class EvalResult(Base):
     __tablename__ = "evals"
 
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    task: Mapped[str] = mapped_column(String(64), primary_key=True)
+    task: Mapped[str] = mapped_column(String(MAX_TASK), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True)
     attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
-    phase: Mapped[str] = mapped_column(String(200))
+    phase: Mapped[str] = mapped_column(String(MAX_NAME))
     cross_entropy: Mapped[float | None] = mapped_column(Float)
     perplexity: Mapped[float | None] = mapped_column(Float)
     records: Mapped[int]
@@ -283,3 +312,24 @@ class ApiToken(Base):
     role: Mapped[str] = mapped_column(String(16))
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Worker(Base):
+    """A worker process the service has heard from (a claim, a heartbeat or its own ping),
+    keyed by hostname and pid."""
+
+    __tablename__ = "workers"
+    __table_args__ = (
+        UniqueConstraint("hostname", "pid"),
+        Index("ix_workers_last_seen_at", "last_seen_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    hostname: Mapped[str] = mapped_column(String(MAX_HOSTNAME))
+    pid: Mapped[int]
+    version: Mapped[str] = mapped_column(String(64))
+    queue: Mapped[str | None] = mapped_column(String(200))
+    token_id: Mapped[str | None] = mapped_column(String(32))
+    attempt_id: Mapped[str | None] = mapped_column(String(32))  # the attempt it works on
+    first_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)

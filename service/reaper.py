@@ -1,7 +1,16 @@
-"""The reaper: running attempts whose lease expired (their worker was killed or cut off) are
-marked `lost`, and their run recovers with a new attempt from its latest checkpoint while
-`max_preemptions` lasts. Jobs (inspections, evaluations) hold no lease: one running longer
-than `job_timeout` is queued and sent again (the first outcome posted is kept).
+"""The reaper: running attempts whose lease expired (their worker was killed or cut off) or
+whose progress stalled (their worker hangs) are marked `lost`, and their run recovers with a
+new attempt from its latest checkpoint while `max_preemptions` lasts. Jobs (inspections,
+evaluations) hold no lease: one running longer than `job_timeout` is queued and sent again
+(the first outcome posted is kept).
+
+The reaper never judges a lease by time during which the service could not hear it. When this
+process starts (the service was down, or restarted for a deployment) and when the database
+answers again after a failed pass, the first pass grants grace instead of reaping: every
+running lease is extended to at least one lease period from now, and every stall clock to at
+least one lease period before it would run out (as Nomad resets its nodes' heartbeat timers
+when a new leader takes over). A worker that lives renews its lease within that period; one
+that died is reaped one lease later than it would have been.
 
 Safe with several service replicas reaping at once: each attempt is marked by the conditional
 UPDATE in `expire_attempt`, and only the winner settles the run. A reaper that loses (another
@@ -14,12 +23,13 @@ import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.attempt import expire_attempt, settle_attempt
 from service.db import rowcount
+from service.lease import expire_attempt, lease_end
+from service.lifecycle import AttemptStatus, settle_attempt
 from service.models import Attempt, Job, OutboxMessage, Run, utcnow
 from service.periodic import Periodic
 
@@ -28,17 +38,58 @@ log = logging.getLogger(__name__)
 _BATCH = 100
 
 
+def grant_grace(
+    *,
+    session_factory: sessionmaker[Session],
+    now: datetime,
+    lease_seconds: float,
+    stall_seconds: float,
+) -> int:
+    """Give every running attempt one lease period from `now` before its lease or its stall
+    clock may run out (see the module docstring). Two conditional UPDATEs, one transaction;
+    a lease that already runs longer is left alone. Returns how many leases were extended."""
+    grace_end = lease_end(now, lease_seconds)
+    # A stall is judged when progress_at <= now - stall_seconds: this moves that a lease on.
+    stall_floor = grace_end - timedelta(seconds=stall_seconds)
+    running = Attempt.status == AttemptStatus.RUNNING.value
+    with session_factory() as session:
+        extended = rowcount(
+            session.execute(
+                update(Attempt)
+                .where(running, Attempt.lease_expires_at < grace_end)
+                .values(lease_expires_at=grace_end)
+                .execution_options(synchronize_session=False)
+            )
+        )
+        session.execute(
+            update(Attempt)
+            .where(running, Attempt.progress_at < stall_floor)
+            .values(progress_at=stall_floor)
+            .execution_options(synchronize_session=False)
+        )
+        session.commit()
+    return extended
+
+
 def reap_expired(
-    *, session_factory: sessionmaker[Session], now: datetime, limit: int = _BATCH
+    *,
+    session_factory: sessionmaker[Session],
+    now: datetime,
+    stall_seconds: float | None = None,
+    limit: int = _BATCH,
 ) -> list[str]:
-    """Mark running attempts whose lease expired before `now` lost and settle their runs, one
-    transaction per attempt. Returns the ids of the attempts this call marked; their new
-    attempts' outbox rows are committed, for the caller to dispatch."""
+    """Mark running attempts whose lease expired before `now` (or, given `stall_seconds`,
+    whose progress has not moved for that long) lost and settle their runs, one transaction
+    per attempt. Returns the ids of the attempts this call marked; their new attempts' outbox
+    rows are committed, for the caller to dispatch."""
+    due = Attempt.lease_expires_at <= now
+    if stall_seconds is not None:
+        due = or_(due, Attempt.progress_at <= now - timedelta(seconds=stall_seconds))
     with session_factory() as session:
         candidates = list(
             session.scalars(
                 select(Attempt.id)
-                .where(Attempt.status == "running", Attempt.lease_expires_at <= now)
+                .where(Attempt.status == AttemptStatus.RUNNING.value, due)
                 .order_by(Attempt.lease_expires_at)
                 .limit(limit)
             )
@@ -47,7 +98,9 @@ def reap_expired(
     for attempt_id in candidates:
         with session_factory() as session:
             attempt = session.get(Attempt, attempt_id)
-            if attempt is None or not expire_attempt(session=session, attempt=attempt, now=now):
+            if attempt is None or not expire_attempt(
+                session=session, attempt=attempt, now=now, stall_seconds=stall_seconds
+            ):
                 session.rollback()
                 continue
             # The attempt row is locked by the UPDATE; then the run (the protocol's order).
@@ -56,10 +109,11 @@ def reap_expired(
             new = settle_attempt(session=session, run=run, attempt=attempt, now=now)
             session.commit()
             log.warning(
-                "attempt %s (run %s, number %d) lost its lease; %s",
+                "attempt %s (run %s, number %d) is lost (%s); %s",
                 attempt.id,
                 run.id,
                 attempt.number,
+                attempt.cause,
                 f"new attempt {new.number} queued" if new is not None else f"run is {run.status}",
             )
             reaped.append(attempt.id)
@@ -102,7 +156,8 @@ def requeue_stale_jobs(
 
 class Reaper(Periodic):
     """Runs `reap_expired` every `interval` seconds in a thread, then `dispatch` when it
-    queued new attempts."""
+    queued new attempts. Its first pass, and the first that works after a failed one, grants
+    grace instead (`grant_grace`)."""
 
     name = "reaper"
 
@@ -112,24 +167,50 @@ class Reaper(Periodic):
         session_factory: sessionmaker[Session],
         dispatch: Callable[[], object],
         interval: float,
+        lease_seconds: float,
+        stall_seconds: float | None = None,
         job_timeout: float = 3600.0,
     ) -> None:
         super().__init__(interval=interval)
         self.session_factory = session_factory
         self.dispatch = dispatch
+        self.lease_seconds = lease_seconds
+        self.stall_seconds = stall_seconds
         self.job_timeout = job_timeout
+        # Set at start and after a failed pass: the service could not hear its workers.
+        self.owes_grace = True
+        self.graces = 0  # how many times grace was granted (tests, logs)
 
     def reap(self, now: datetime | None = None) -> list[str]:
         """One pass at `now` (default: the current time), then dispatch what it queued."""
         now = now or utcnow()
         try:
-            reaped = reap_expired(session_factory=self.session_factory, now=now)
+            if self.owes_grace:
+                extended = grant_grace(
+                    session_factory=self.session_factory,
+                    now=now,
+                    lease_seconds=self.lease_seconds,
+                    stall_seconds=self.stall_seconds or 0.0,
+                )
+                self.owes_grace = False
+                self.graces += 1
+                log.info(
+                    "granted %d running leases %.0f s of grace: the service could not hear "
+                    "their workers until now",
+                    extended,
+                    self.lease_seconds,
+                )
+                return []
+            reaped = reap_expired(
+                session_factory=self.session_factory, now=now, stall_seconds=self.stall_seconds
+            )
             requeued = requeue_stale_jobs(
                 session_factory=self.session_factory, now=now, timeout=self.job_timeout
             )
         except SQLAlchemyError as err:
             # The database being down is reported by /readyz; one line per pass is enough.
             log.warning("reaper pass failed (%s); retrying in %.1f s", err, self.interval)
+            self.owes_grace = True
             return []
         if reaped or requeued:
             self.dispatch()

@@ -12,18 +12,19 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from contracts.signature import FieldDiff, Signature, diff_components
-from service.attempt import (
-    add_attempt,
-    digests_of,
-    expire_attempt,
-    is_active,
-    lock_current_attempt,
-    newest_attempt,
-)
+from contracts.workflow import Workflow as WorkflowSpec
 from service.digest import resolve_digests
 from service.errors import ApiError
+from service.lease import digests_of, expire_attempt, is_active
+from service.lifecycle import add_attempt, lock_current_attempt, newest_attempt
 from service.models import Attempt, Run, utcnow
-from service.run import InitialCheckpoint, get_run, resolve_initial_checkpoint, sign_run
+from service.run import (
+    InitialCheckpoint,
+    get_run,
+    recheck_initial_checkpoint,
+    resolve_initial_checkpoint,
+    sign_run,
+)
 from service.schemas import RunResume
 from service.workflow import get_workflow, parse_workflow
 
@@ -48,29 +49,38 @@ def signature_mismatch(*, run_id: str, differences: list[FieldDiff]) -> ApiError
     )
 
 
-def resign(
+def resume_inputs(
     *, session: Session, run: Run, request: RunResume, data_root: Path
-) -> tuple[Signature, InitialCheckpoint | None]:
-    """The run's signature over what the request gives, or what was stored where it gives
-    nothing. Tokenizer and data files are hashed now (cached by path, size and mtime), so a
-    changed file is a difference; an omitted initial checkpoint keeps its stored digest."""
+) -> tuple[WorkflowSpec, InitialCheckpoint | None]:
+    """The workflow and initial checkpoint the request gives, or those stored where it gives
+    nothing. Reads the database; hashes nothing."""
     if request.workflow is not None:
         spec = parse_workflow(request.workflow, data_root=data_root)
     else:
         stored = get_workflow(session=session, workflow_id=run.workflow_id)
         spec = parse_workflow(stored.spec, data_root=data_root)
-    initial: InitialCheckpoint | None
+    if request.initial_checkpoint is None:
+        return spec, InitialCheckpoint.from_components(run.signature_components)
+    initial = resolve_initial_checkpoint(
+        session=session, given=request.initial_checkpoint, data_root=data_root
+    )
+    return spec, initial
+
+
+def resign(
+    *, run: Run, request: RunResume, spec: WorkflowSpec, initial: InitialCheckpoint | None
+) -> Signature:
+    """The run's signature over the resume's inputs (resume_inputs). Tokenizer and data files
+    are hashed now (cached by path, size and mtime), so a changed file is a difference; an
+    omitted initial checkpoint keeps its stored digest."""
     if request.initial_checkpoint is not None:
-        initial = resolve_initial_checkpoint(
-            session=session, given=request.initial_checkpoint, data_root=data_root
-        )
+        assert initial is not None
         digests = resolve_digests(spec, initial_checkpoint=initial.path)
     else:
-        initial = InitialCheckpoint.from_components(run.signature_components)
         digests = resolve_digests(spec, initial_checkpoint=None).model_copy(
             update={"initial_checkpoint": digests_of(run.signature_components).initial_checkpoint}
         )
-    return sign_run(workflow=spec, digests=digests, initial=initial), initial
+    return sign_run(workflow=spec, digests=digests, initial=initial)
 
 
 def _run_active(run: Run, attempt: Attempt) -> ApiError:
@@ -110,11 +120,18 @@ def resume_run(
     marked lost, and a new attempt continues the run's current phase. Commits. Returns (run,
     new attempt or None); the caller dispatches the new attempt's outbox row."""
     run = get_run(session=session, run_id=run_id)
-    # Hashing can take a while: it happens before any row is locked.
-    signature, initial = resign(session=session, run=run, request=request, data_root=data_root)
+    spec, initial = resume_inputs(session=session, run=run, request=request, data_root=data_root)
+    # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
+    # connection waits idle in transaction (nor a row stays locked) meanwhile.
+    session.commit()
+    signature = resign(run=run, request=request, spec=spec, initial=initial)
     if signature.sha256 != run.signature:
         differences = diff_components(run.signature_components, signature.components)
         _refuse(session, signature_mismatch(run_id=run.id, differences=differences))
+    # What changed while hashing: a given initial checkpoint is looked up (and locked) again.
+    recheck_initial_checkpoint(
+        session=session, given=request.initial_checkpoint, hashed=initial, data_root=data_root
+    )
 
     # Concurrent resumes (and finishes) of this run serialise on these locks; the loser sees
     # the winner's queued attempt and answers run_active.

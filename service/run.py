@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -17,11 +17,13 @@ from sqlalchemy.orm import Session
 from contracts.signature import Digests, Signature, canonical_json, compute_signature
 from contracts.workflow import Plan, plan
 from contracts.workflow import Workflow as WorkflowSpec
-from service.attempt import add_attempt, budget_use, recovery_seconds
-from service.checkpoint import list_checkpoints
+from runtime.path import resolve_path
+from service.checkpoint import USABLE, list_checkpoints, usable_checkpoint
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
-from service.models import Attempt, Checkpoint, Run, RunStatus, new_run_id, utcnow
+from service.fleet import live_worker_seen
+from service.lifecycle import RunStatus, add_attempt, budget_use, recovery_seconds
+from service.models import Attempt, Checkpoint, Run, new_run_id, utcnow
 from service.schemas import (
     AttemptPublic,
     CheckpointSummary,
@@ -50,16 +52,6 @@ def _replay(*, session: Session, key: str, request_sha: str) -> Run | None:
     return run
 
 
-def resolve_local_path(path: str, *, data_root: Path) -> str:
-    """An absolute form of a user-given path; a path the OS cannot use (a NUL byte, a name too
-    long) is kept as given, and reading it is refused later as a `missing_input`."""
-    p = Path(path).expanduser()
-    try:
-        return str((p if p.is_absolute() else data_root / p).resolve())
-    except (OSError, ValueError):
-        return path
-
-
 @dataclass(frozen=True)
 class InitialCheckpoint:
     """Where a run's initial weights lie, and the run and step they came from, if another
@@ -84,24 +76,65 @@ def _invalid_initial_checkpoint(message: str, details: dict[str, Any]) -> ApiErr
 def resolve_initial_checkpoint(
     *, session: Session, given: InitialCheckpointIn, data_root: Path
 ) -> InitialCheckpoint:
-    """A local path (relative to data_root), or another run's registered checkpoint at a step;
-    422 `invalid_initial_checkpoint` naming the run and the steps it has when there is none."""
+    """A local path (relative to data_root), or another run's usable checkpoint at a step;
+    422 `invalid_initial_checkpoint` naming the run and the steps it has when there is none (or
+    the one at that step was deleted or quarantined, and why). The chosen checkpoint's row stays
+    locked until the caller commits: the run that names it is then a pin that a concurrent
+    report of its deletion sees (service.checkpoint)."""
     if isinstance(given, str):
-        return InitialCheckpoint(path=resolve_local_path(given, data_root=data_root))
+        # A path the OS cannot use is kept as given; reading it is refused as `missing_input`.
+        return InitialCheckpoint(path=resolve_path(given, data_root))
     if session.get(Run, given.run) is None:
         raise _invalid_initial_checkpoint(
             f"run {given.run!r} does not exist; list runs with GET /runs",
             {"run": given.run, "step": given.step},
         )
-    steps = {c.step: c for c in list_checkpoints(session=session, run_id=given.run)}
-    if given.step not in steps:
+    chosen = usable_checkpoint(session=session, run_id=given.run, step=given.step, lock=True)
+    if chosen is None:
+        every = list_checkpoints(session=session, run_id=given.run, status="all")
+        steps = [c.step for c in every if c.status == USABLE]
         available = ", ".join(str(s) for s in steps) or "none yet"
+        details: dict[str, Any] = {"run": given.run, "step": given.step, "available_steps": steps}
+        removed = next((c for c in every if c.step == given.step), None)
+        what = f"has no registered checkpoint at step {given.step}"
+        if removed is not None:
+            what = (
+                f"no longer has its checkpoint at step {given.step}: {removed.status} "
+                f"({removed.reason})"
+            )
+            details.update(status=removed.status, reason=removed.reason)
         raise _invalid_initial_checkpoint(
-            f"run {given.run!r} has no registered checkpoint at step {given.step}; its "
-            f"checkpoints are at steps: {available} (GET /runs/{given.run}/checkpoints)",
-            {"run": given.run, "step": given.step, "available_steps": list(steps)},
+            f"run {given.run!r} {what}; its usable checkpoints are at steps: {available} "
+            f"(GET /runs/{given.run}/checkpoints)",
+            details,
         )
-    return InitialCheckpoint(path=steps[given.step].path, run=given.run, step=given.step)
+    return InitialCheckpoint(path=chosen.path, run=given.run, step=given.step)
+
+
+def recheck_initial_checkpoint(
+    *,
+    session: Session,
+    given: InitialCheckpointIn | None,
+    hashed: InitialCheckpoint | None,
+    data_root: Path,
+) -> None:
+    """Look another run's checkpoint up again (locking its row) in the transaction that will
+    name it, after it was hashed outside any: 422 as resolve_initial_checkpoint when it was
+    deleted or quarantined meanwhile, 409 `initial_checkpoint_changed` when its step now
+    points at other files than those hashed. A local path needs nothing: its bytes are what
+    was hashed."""
+    if given is None or isinstance(given, str):
+        return
+    now = resolve_initial_checkpoint(session=session, given=given, data_root=data_root)
+    if now != hashed:
+        raise ApiError(
+            409,
+            "initial_checkpoint_changed",
+            f"initial_checkpoint: run {given.run!r}'s checkpoint at step {given.step} changed "
+            f"while it was hashed (it was {hashed.path if hashed else None}, now {now.path}); "
+            "send the request again",
+            {"run": given.run, "step": given.step},
+        )
 
 
 def sign_run(
@@ -150,10 +183,18 @@ def create_run(
             session=session, given=request.initial_checkpoint, data_root=data_root
         )
     )
+    # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
+    # connection waits idle in transaction (nor a checkpoint row stays locked) meanwhile.
+    session.commit()
     digests = resolve_digests(spec, initial_checkpoint=None if initial is None else initial.path)
     signature = sign_run(workflow=spec, digests=digests, initial=initial)
     run_plan = plan(spec)
 
+    # What changed while hashing: the initial checkpoint is looked up (and locked) again here;
+    # a run created meanwhile with this Idempotency-Key is caught by its unique index below.
+    recheck_initial_checkpoint(
+        session=session, given=request.initial_checkpoint, hashed=initial, data_root=data_root
+    )
     workflow, _ = save_workflow(session=session, spec=spec)
     run = Run(
         id=new_run_id(),
@@ -210,8 +251,12 @@ def list_runs(*, session: Session, limit: int, status: RunStatus | None) -> tupl
     return runs, session.scalar(count) or 0
 
 
-def runs_public(*, session: Session, runs: list[Run]) -> list[RunPublic]:
-    """Public views of runs, with attempts and latest checkpoints loaded in two queries."""
+def runs_public(
+    *, session: Session, runs: list[Run], lease_seconds: float, queue: str
+) -> list[RunPublic]:
+    """Public views of runs, with attempts and latest checkpoints loaded in two queries (and
+    a third, when one waits in the queue, for whether a worker of `queue` was heard from
+    within `lease_seconds`)."""
     ids = [run.id for run in runs]
     attempts: dict[str, list[Attempt]] = defaultdict(list)
     latest: dict[str, Checkpoint] = {}
@@ -222,7 +267,7 @@ def runs_public(*, session: Session, runs: list[Run]) -> list[RunPublic]:
             attempts[attempt.run_id].append(attempt)
         newest = (
             select(Checkpoint.run_id, func.max(Checkpoint.step).label("step"))
-            .where(Checkpoint.run_id.in_(ids))
+            .where(Checkpoint.run_id.in_(ids), Checkpoint.status == USABLE)
             .group_by(Checkpoint.run_id)
             .subquery()
         )
@@ -234,15 +279,28 @@ def runs_public(*, session: Session, runs: list[Run]) -> list[RunPublic]:
         ):
             latest[checkpoint.run_id] = checkpoint
     now = utcnow()
-    return [_run_public(run, attempts[run.id], latest.get(run.id), now) for run in runs]
+    queued = {
+        run.id for run in runs if attempts[run.id] and attempts[run.id][-1].status == "queued"
+    }
+    no_worker = bool(queued) and not live_worker_seen(
+        session=session, now=now, lease_seconds=lease_seconds, queue=queue
+    )
+    return [
+        _run_public(run, attempts[run.id], latest.get(run.id), now, no_worker and run.id in queued)
+        for run in runs
+    ]
 
 
-def run_public(*, session: Session, run: Run) -> RunPublic:
-    return runs_public(session=session, runs=[run])[0]
+def run_public(*, session: Session, run: Run, lease_seconds: float, queue: str) -> RunPublic:
+    return runs_public(session=session, runs=[run], lease_seconds=lease_seconds, queue=queue)[0]
 
 
 def _run_public(
-    run: Run, attempts: list[Attempt], latest: Checkpoint | None, now: datetime
+    run: Run,
+    attempts: list[Attempt],
+    latest: Checkpoint | None,
+    now: datetime,
+    waiting_for_worker: bool,
 ) -> RunPublic:
     run_plan = Plan.model_validate(run.plan)
     phase = (
@@ -255,7 +313,7 @@ def _run_public(
         id=run.id,
         name=run.name,
         workflow_id=run.workflow_id,
-        status=cast(RunStatus, run.status),
+        status=RunStatus(run.status),
         cause=run.cause,
         message=run.message,
         phase=phase,
@@ -273,6 +331,7 @@ def _run_public(
         max_preemptions=run.max_preemptions,
         recovery_seconds=recovery_seconds(attempts, now),
         pause_requested_at=run.pause_requested_at,
+        waiting_for_worker=waiting_for_worker,
         created_at=run.created_at,
         updated_at=run.updated_at,
         finished_at=run.finished_at,

@@ -7,10 +7,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from contracts.bounds import MAX_COUNT, MAX_ID, MAX_NAME, SHA256_HEX
 from contracts.workflow import Plan
-from service.models import RunStatus
+from service.lifecycle import RunStatus
 
 MAX_RUNS_PAGE = 500
+# A run's budgets (max_restarts, max_preemptions): far below MAX_COUNT, as attempt numbers count
+# every restart and preemption.
+MAX_BUDGET = 10_000
 
 
 class Status(BaseModel):
@@ -35,8 +39,8 @@ class CheckpointOf(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    run: str = Field(min_length=1)
-    step: int = Field(ge=0)
+    run: str = Field(min_length=1, max_length=MAX_ID)
+    step: int = Field(ge=0, le=MAX_COUNT)
 
 
 # A local safetensors file or model directory the service can read (relative paths resolve
@@ -48,13 +52,13 @@ class RunCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     workflow: dict[str, Any] | None = None
-    workflow_id: str | None = None
+    workflow_id: str | None = Field(None, min_length=1, max_length=SHA256_HEX)
     initial_checkpoint: InitialCheckpointIn | None = None
-    name: str | None = Field(None, min_length=1, max_length=200)
+    name: str | None = Field(None, min_length=1, max_length=MAX_NAME)
     # New attempts after errors with cause `infrastructure`; default TRAINCTL_MAX_RESTARTS.
-    max_restarts: int | None = Field(None, ge=0, le=10_000)
+    max_restarts: int | None = Field(None, ge=0, le=MAX_BUDGET)
     # New attempts after preemptions and lost workers; default TRAINCTL_MAX_PREEMPTIONS.
-    max_preemptions: int | None = Field(None, ge=0, le=10_000)
+    max_preemptions: int | None = Field(None, ge=0, le=MAX_BUDGET)
 
     @model_validator(mode="after")
     def _one_workflow(self) -> RunCreate:
@@ -85,6 +89,11 @@ class CheckpointPublic(CheckpointSummary):
     phase_step: int
     attempt_id: str
     created_at: datetime
+    # `usable`, or what its worker reported doing with it: `deleted` (retention) or
+    # `quarantined` (failed verification, renamed aside), with why and when.
+    status: str
+    reason: str | None
+    removed_at: datetime | None
 
 
 class CheckpointsPublic(BaseModel):
@@ -141,6 +150,9 @@ class RunPublic(BaseModel):
     recovery_seconds: float
     # Set while a pause waits for the running worker to checkpoint and stop.
     pause_requested_at: datetime | None
+    # The newest attempt is queued and no worker of the service's queue was heard from within
+    # the lease period: nothing will take it until a worker starts (GET /workers).
+    waiting_for_worker: bool
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
@@ -164,3 +176,25 @@ class BatchAccepted(BaseModel):
 class RunsPublic(BaseModel):
     runs: list[RunPublic]
     count: int
+
+
+class WorkerPublic(BaseModel):
+    """A worker process the service has heard from (a claim, a heartbeat or its ping)."""
+
+    hostname: str
+    pid: int
+    version: str
+    queue: str | None
+    # Heard from within the lease period.
+    live: bool
+    first_seen_at: datetime
+    last_seen_at: datetime
+    # The attempt it is running, and its run; None when it runs none.
+    attempt_id: str | None
+    run_id: str | None
+
+
+class WorkersPublic(BaseModel):
+    workers: list[WorkerPublic]
+    count: int  # workers ever heard from (all pages)
+    live: int  # of which heard from within the lease period

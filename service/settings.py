@@ -34,6 +34,11 @@ class ServiceSettings(BaseSettings):
     # Relative paths in submitted workflows resolve against this directory.
     data_root: Path = Field(default_factory=Path.cwd)
     lease_seconds: float = Field(default=60.0, gt=0)
+    # A running attempt whose worker keeps its lease (the worker's keeper thread heartbeats)
+    # but whose progress (steps, evals, checkpoints, preparation units) has not moved for this
+    # long is lost with cause `stalled`: the worker hangs. Longer than the slowest step,
+    # checkpoint or evaluation set a run may take.
+    stall_seconds: float = Field(default=1800.0, gt=0)
     # Log lines as text or as one JSON object per line (with run_id/attempt_id where known).
     log_format: LogFormat = "text"
     log_level: str = "INFO"

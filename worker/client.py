@@ -15,6 +15,8 @@ from contracts.jobs import Job, JobOutcome
 from contracts.reports import (
     MAX_POINTS_PER_BATCH,
     Accepted,
+    CheckpointRegistered,
+    CheckpointRemoval,
     CheckpointReport,
     Claim,
     ClaimRequest,
@@ -123,7 +125,7 @@ class ServiceClient:
         return self._post(f"/internal/attempts/{attempt_id}/heartbeat", heartbeat, HeartbeatAnswer)
 
     def metrics(
-        self, attempt_id: str, *, fencing_token: int, points: Sequence[MetricPoint]
+        self, attempt_id: str, *, fencing_token: str, points: Sequence[MetricPoint]
     ) -> MetricsAnswer:
         """Post any number of points, in requests of at most MAX_POINTS_PER_BATCH. The
         answer's error indexes are into `points`."""
@@ -139,8 +141,15 @@ class ServiceClient:
     def evals(self, attempt_id: str, batch: EvalBatch) -> Accepted:
         return self._post(f"/internal/attempts/{attempt_id}/evals", batch, Accepted)
 
-    def checkpoint(self, attempt_id: str, report: CheckpointReport) -> Accepted:
-        return self._post(f"/internal/attempts/{attempt_id}/checkpoints", report, Accepted)
+    def checkpoint(self, attempt_id: str, report: CheckpointReport) -> CheckpointRegistered:
+        return self._post(
+            f"/internal/attempts/{attempt_id}/checkpoints", report, CheckpointRegistered
+        )
+
+    def checkpoint_removed(self, attempt_id: str, removal: CheckpointRemoval) -> Accepted:
+        return self._post(
+            f"/internal/attempts/{attempt_id}/checkpoints/removals", removal, Accepted
+        )
 
     def finish(self, attempt_id: str, finish: Finish) -> Accepted:
         return self._post(f"/internal/attempts/{attempt_id}/finish", finish, Accepted)

@@ -1,7 +1,7 @@
 """Training failures, each carrying the failure cause the service records for it.
 
-The cause decides what the service does next: data, config, nan and oom are never retried
-blindly; infrastructure failures are.
+The cause decides what the service does next: data, config, nan, oom, checkpoint and
+signature_mismatch are never retried blindly; infrastructure failures are.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ class SignatureMismatch(TrainingError):
 
 
 class CheckpointError(TrainingError):
-    """A checkpoint is incomplete, corrupt or does not belong to this run."""
+    """A checkpoint is incomplete, corrupt or does not belong to this run, and no older one
+    can stand in for it. Deterministic: another attempt would read the same bytes, so the
+    cause is `checkpoint`, which the service never retries blindly."""
 
-    cause: FailureCause = "infrastructure"
+    cause: FailureCause = "checkpoint"
 
 
 class OptimizerCoverageError(CheckpointError):

@@ -1,42 +1,42 @@
 """What the training loop tells the outside world, and how it learns it must pause or stop.
 
 The loop calls a `Reporter`; `ServiceReporter` posts to the service, tests use a recorder.
-Heartbeats are sent from the loop itself: a step that takes longer than the lease would let
-the lease expire, so heartbeat_seconds must stay well under lease_seconds. Work that reports
-nothing for long (preparing a phase: hashing, reading and encoding data, loading a checkpoint;
-evaluating) runs inside `keepalive`, which heartbeats from a thread meanwhile.
+The lease is not the loop's business: a `worker.lease.LeaseKeeper` thread renews it from claim
+to finish, however long a step, a checkpoint wait or a preparation takes. What the loop owes
+the lease is progress: every report moves the keeper's counter, and work that reports nothing
+for long (preparing a phase, evaluating) calls `progress()` as it goes.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from contracts.reports import (
     MAX_POINTS_PER_BATCH,
+    MAX_REMOVAL_REASON,
     CheckpointRef,
+    CheckpointRegistered,
+    CheckpointRemoval,
     CheckpointReport,
     Claim,
     EvalBatch,
     EvalResult,
     Finish,
-    Heartbeat,
     MetricBatch,
     MetricPoint,
+    RemovalStatus,
 )
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.lease import Action, LeaseKeeper
 from worker.spool import Report, Spool, SpoolError, kind_of
 
 log = logging.getLogger(__name__)
 
-# The service's orders, from a heartbeat answer: train on; checkpoint now and finish "paused";
-# stop at once and write nothing more (the attempt was superseded or the run cancelled).
-Action = Literal["continue", "pause", "stop"]
+__all__ = ["Action", "Reporter", "ServiceReporter", "drain_spools", "send_report"]
 
 
 class Reporter(Protocol):
@@ -45,28 +45,33 @@ class Reporter(Protocol):
 
     def evals(self, results: Sequence[EvalResult]) -> None: ...
 
-    def checkpoint(self, ref: CheckpointRef) -> bool:
-        """Register a checkpoint; called only once it is complete on disk. True when the service
-        now holds it; False when the registration is still queued."""
+    def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
+        """Register a checkpoint; called only once it is complete on disk. None while the
+        registration is still queued; once the service holds it, the run's pinned steps from
+        its answer (checkpoints an unfinished run starts from: retention keeps them)."""
+
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
+        """Report that this run's checkpoint at `step` was deleted (retention) or quarantined
+        (failed verification), after the fact; queued like every report. A refusal (the
+        checkpoint is pinned) is logged, not raised."""
 
     def check(self, step: int, *, now: bool = False) -> Action:
-        """Renew the lease when due, or at once with `now` (the fencing check before a
-        checkpoint is put in place), and return the service's order. A service that cannot be
-        reached orders nothing: "continue"."""
+        """The service's latest order, as the lease keeper last heard it; with `now`, ask the
+        service at once (the fencing check before a checkpoint is put in place). A service
+        that cannot be reached orders nothing new."""
 
-    def keepalive(self, step: int) -> AbstractContextManager[None]:
-        """Keep the lease while the caller works without reporting, at `step` (the last step
-        done); an order received meanwhile is returned by the next `check`. The caller makes
-        no other call on the reporter inside it."""
+    def progress(self) -> None:
+        """A unit of work that reports nothing else was done (preparation, an eval set): the
+        lease keeper's next heartbeat says the worker is not hung."""
 
 
 class ServiceReporter:
-    """Posts to the service in order, batching metric points, and heartbeats every
-    `heartbeat_seconds`.
+    """Posts to the service in order, batching metric points (sent at least every
+    `heartbeat_seconds`), and owns the attempt's `LeaseKeeper` (`start`, and `close` stops it).
 
     Training outlives a service outage: a report the service cannot take (unreachable, or 5xx
     through the client's retries) goes to the attempt's spool on disk (`worker.spool`), and so
-    does every later one until the spool is sent, oldest first, at the next heartbeat that finds
+    does every later one until the spool is sent, oldest first, at the next `check` that finds
     the service back. A failed heartbeat is only logged (if the lease lapses meanwhile, the
     service supersedes this attempt and says so on the next request that gets through).
 
@@ -94,93 +99,86 @@ class ServiceReporter:
         self._flush_seconds = flush_seconds
         self._clock = clock
         self._sleep = sleep
-        # The claim itself renewed the lease.
-        self._last_beat = clock()
+        self._last_flush = clock()
         self._points: list[MetricPoint] = []
         self._stopped = False
-        # An order a keepalive heartbeat received, for the loop's next `check`.
-        self._pending: Action | None = None
+        start = claim.resume_from.step if claim.resume_from is not None else 0
+        self.lease = LeaseKeeper(
+            client,
+            attempt_id=claim.attempt_id,
+            fencing_token=claim.fencing_token,
+            interval=heartbeat_seconds,
+            step=start,
+        )
         self.last_step: int | None = None  # the last step whose metrics were recorded
+        # The pinned steps of the last checkpoint registration delivered.
+        self._pinned: frozenset[int] | None = None
+
+    def start(self) -> None:
+        """Start renewing the lease (from one thread, until `close`)."""
+        self.lease.start()
+
+    def progress(self) -> None:
+        self.lease.advance()
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         if self._stopped:
             return
         self.last_step = step
+        self.lease.advance(step)
         self._points.extend(MetricPoint(name=k, step=step, value=v) for k, v in values.items())
         if len(self._points) >= MAX_POINTS_PER_BATCH:
             self._submit([])
 
     def evals(self, results: Sequence[EvalResult]) -> None:
+        self.lease.advance()
         if results and not self._stopped:
             self._submit([EvalBatch(fencing_token=self._token, results=list(results))])
 
-    def checkpoint(self, ref: CheckpointRef) -> bool:
+    def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
         # Sent behind the metrics: the service never holds a checkpoint newer than its metrics.
+        self.lease.advance()
         if self._stopped:
-            return False
-        return self._submit([CheckpointReport(fencing_token=self._token, checkpoint=ref)])
+            return None
+        self._pinned = None
+        if not self._submit([CheckpointReport(fencing_token=self._token, checkpoint=ref)]):
+            return None
+        return self._pinned  # from this registration's answer (`_send`)
+
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
+        self.lease.advance()
+        if self._stopped:
+            return
+        removal = CheckpointRemoval(
+            fencing_token=self._token,
+            step=step,
+            status=status,
+            reason=reason[:MAX_REMOVAL_REASON],
+        )
+        self._submit([removal])
 
     def check(self, step: int, *, now: bool = False) -> Action:
-        action = self._heartbeat(step, now=now)
-        if action == "continue" and self._pending is not None:
-            action, self._pending = self._pending, None
-        return action
-
-    def _heartbeat(self, step: int, *, now: bool = False) -> Action:
-        """Renew the lease when due (or `now`) and return the service's order."""
         if self._stopped:
             return "stop"
-        beat = self._clock()
-        if not now and beat - self._last_beat < self._heartbeat_seconds:
-            return "continue"
-        self._last_beat = beat
-        # The spool and the buffered points first; a service that cannot take them would not
-        # answer the heartbeat either, and each try costs the client's retries.
-        if not (self._deliver() and self._submit([])):
-            log.warning("heartbeat at step %d skipped: the service is unreachable", step)
-            return "continue"
-        try:
-            answer = self._client.heartbeat(
-                self._attempt_id, Heartbeat(fencing_token=self._token, step=step)
-            )
-        except ServiceUnavailable as err:
-            log.warning("heartbeat at step %d failed; training on: %s", step, err)
-            return "continue"
-        except Superseded:
-            answer_action: Action = "stop"
+        tick = self._clock()
+        if now or tick - self._last_flush >= self._heartbeat_seconds:
+            self._last_flush = tick
+            # The spool and the buffered points first; with `now`, a service that cannot take
+            # them would not answer the fencing check either, and each try costs the client's
+            # retries.
+            delivered = self._deliver() and self._submit([])
+            if not delivered:
+                log.warning("reports at step %d stay spooled: the service is unreachable", step)
+            if now and delivered:
+                self.lease.advance(step)
+                action = self.lease.beat()
+            else:
+                action = self.lease.order
         else:
-            answer_action = answer.action
-        if answer_action == "stop":
+            action = self.lease.order
+        if action == "stop":
             self._stop()
-        return answer_action
-
-    @contextmanager
-    def keepalive(self, step: int) -> Iterator[None]:
-        """Heartbeat from a thread, when due, while the caller works without reporting. The
-        thread is the only user of this reporter meanwhile (see Reporter.keepalive). A pause
-        order is kept for the loop and the lease still renewed; after a stop there is nothing
-        left to keep."""
-        done = threading.Event()
-
-        def beat() -> None:
-            while not done.wait(max(self._heartbeat_seconds, 0.5)):
-                try:
-                    action = self._heartbeat(step)
-                except Exception:  # a refused report, say: the loop learns of it when it checks
-                    log.exception("keepalive heartbeat at step %d failed", step)
-                    continue
-                if action == "stop":
-                    return
-                if action == "pause":
-                    self._pending = "pause"
-
-        thread = threading.Thread(target=beat, name=f"keepalive-{self._attempt_id}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
+        return action
 
     def finish(self, finish: Finish) -> None:
         """Send everything still buffered or spooled, then `finish`, in order. Waits up to
@@ -201,7 +199,9 @@ class ServiceReporter:
             self._sleep(min(max(self._heartbeat_seconds, 1.0), remaining))
 
     def close(self) -> None:
-        """Let go of the spool (what is left in it stays on disk for `drain_spools`)."""
+        """Stop renewing the lease and let go of the spool (what is left in it stays on disk
+        for `drain_spools`)."""
+        self.lease.stop()
         self._spool.release()
 
     # --- delivery --------------------------------------------------------------------------
@@ -241,10 +241,12 @@ class ServiceReporter:
 
     def _send(self, report: Report) -> None:
         try:
-            send_report(self._client, self._attempt_id, report)
+            answer = send_report(self._client, self._attempt_id, report)
         except Superseded:
             self._stop()
             raise
+        if answer is not None:
+            self._pinned = frozenset(answer.pinned_steps)
 
     def _stop(self) -> None:
         """The attempt is no longer ours: report nothing more, drop what is spooled."""
@@ -253,8 +255,11 @@ class ServiceReporter:
         self._spool.discard()
 
 
-def send_report(client: ServiceClient, attempt_id: str, report: Report) -> None:
-    """Post one report. Points the service refuses are logged, one line each; they are not
+def send_report(
+    client: ServiceClient, attempt_id: str, report: Report
+) -> CheckpointRegistered | None:
+    """Post one report; a checkpoint registration's answer is returned. Points the service
+    refuses are logged, one line each, and so is a refused checkpoint removal; they are not
     retried (they would be refused again) and do not stop training."""
     if isinstance(report, MetricBatch):
         answer = client.metrics(
@@ -272,9 +277,25 @@ def send_report(client: ServiceClient, attempt_id: str, report: Report) -> None:
     elif isinstance(report, EvalBatch):
         client.evals(attempt_id, report)
     elif isinstance(report, CheckpointReport):
-        client.checkpoint(attempt_id, report)
+        return client.checkpoint(attempt_id, report)
+    elif isinstance(report, CheckpointRemoval):
+        try:
+            client.checkpoint_removed(attempt_id, report)
+        except ServiceUnavailable:
+            raise
+        except ServiceError as err:
+            # 409 `checkpoint_pinned`: a run started from it after this worker last heard the
+            # pinned steps (see worker.checkpoint.apply_retention); the registry keeps it.
+            log.error(
+                "attempt %s: the service refused the %s report of step %d: %s",
+                attempt_id,
+                report.status,
+                report.step,
+                err,
+            )
     else:
         client.finish(attempt_id, report)
+    return None
 
 
 def drain_spools(client: ServiceClient, root: Path) -> None:

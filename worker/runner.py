@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -51,9 +52,12 @@ def run_attempt(
     client = client or ServiceClient.from_settings(settings)
     try:
         drain_spools(client, settings.spool_dir)
-        claim = client.claim(
-            attempt_id, ClaimRequest(hostname=socket.gethostname(), pid=os.getpid())
+        # One nonce per claim, sent again by every retry of it: a retry whose first try won
+        # gets the same claim back.
+        request = ClaimRequest(
+            hostname=socket.gethostname(), pid=os.getpid(), nonce=secrets.token_hex(16)
         )
+        claim = client.claim(attempt_id, request)
         if claim is None:
             log.info(
                 "attempt %s is already claimed or superseded; dropping the message", attempt_id
@@ -81,6 +85,8 @@ def _run_claimed(
         heartbeat_seconds=settings.heartbeat_seconds,
         flush_seconds=settings.spool_flush_seconds,
     )
+    # The lease is renewed from here to the finish, whatever the attempt is doing.
+    reporter.start()
     try:
         # One attempt per process at a time: every line the process logs meanwhile, from any
         # thread, is about this attempt.
@@ -104,9 +110,7 @@ def _train_and_finish(
     try:
         workflow = _parse_workflow(claim)
         verify_encoder(claim)
-        start = claim.resume_from.step if claim.resume_from is not None else 0
-        with reporter.keepalive(start):  # hashing large inputs reports nothing for a while
-            verify_inputs(claim, workflow)
+        verify_inputs(claim, workflow, reporter.progress)
         device = select_device(settings.device)
         log.info("training %s on %s", where, device)
         outcome = train_phase(
@@ -174,7 +178,9 @@ def verify_encoder(claim: Claim) -> None:
         )
 
 
-def verify_inputs(claim: Claim, workflow: Workflow) -> None:
+def verify_inputs(
+    claim: Claim, workflow: Workflow, progress: Callable[[], None] | None = None
+) -> None:
     """Every input this attempt reads must have the content the run's signature was computed
     over: refuse before the first step, naming the file and both digests. Inputs it does not
     read are not hashed (other phases' data; the initial checkpoint once a run checkpoint
@@ -191,6 +197,8 @@ def verify_inputs(claim: Claim, workflow: Workflow) -> None:
     if claim.initial_checkpoint is not None and claim.resume_from is None:
         checks.append(("initial checkpoint", claim.initial_checkpoint, digests.initial_checkpoint))
     for kind, path, expected in checks:
+        if progress is not None:
+            progress()  # each file hashed is progress: a stall is judged by it
         if not Path(path).exists():
             raise TrainingError(f"{kind} {path} not found on host {socket.gethostname()}")
         actual = sha256_path(path)

@@ -41,10 +41,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from service.attempt import phase_start
 from service.deps import Credentials, require_admin
 from service.errors import is_unavailable
-from service.models import FINISHED_RUN_STATUSES, Attempt, Checkpoint, EvalResult, MetricPoint, Run
+from service.lifecycle import FINISHED_RUN, phase_start
+from service.models import Attempt, Checkpoint, EvalResult, MetricPoint, Run
 from service.run import get_run, run_public
 from service.series import EVAL_COLUMNS, eval_point, json_float
 
@@ -112,6 +112,9 @@ class RunEvents:
     names: Sequence[str]
     metrics: StepCursor
     evals: StepCursor
+    # What `waiting_for_worker` is judged by (the service's settings).
+    lease_seconds: float
+    queue: str
     claimed: set[str] | None = None  # attempts seen claimed; None before the first poll
     progress: dict[str, Any] | None = None
 
@@ -120,7 +123,9 @@ class RunEvents:
         # everything it reported (reports after the finish are refused).
         run = get_run(session=session, run_id=self.run_id)
         events: list[Event] = []
-        public = run_public(session=session, run=run).model_dump(mode="json")
+        public = run_public(
+            session=session, run=run, lease_seconds=self.lease_seconds, queue=self.queue
+        ).model_dump(mode="json")
         progress = _progress(public)
         if progress != self.progress:
             self.progress = progress
@@ -130,7 +135,7 @@ class RunEvents:
         evals, more_evals = self._evals(session)
         events += [*metrics, *evals]
         more = more_metrics or more_evals
-        finished = run.status in FINISHED_RUN_STATUSES and not more
+        finished = run.status in FINISHED_RUN and not more
         if finished:
             events.append(("end", {"status": run.status}))
         return Poll(events=events, finished=finished, more=more)
@@ -284,6 +289,8 @@ def read_events(
         names=_names(names),
         metrics=StepCursor(after=metrics_after),
         evals=StepCursor(after=evals_after),
+        lease_seconds=request.app.state.settings.lease_seconds,
+        queue=request.app.state.settings.queue,
     )
     return EventSourceResponse(
         stream_run_events(sessions=sessions, stream=stream),

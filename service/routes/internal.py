@@ -21,6 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.reports import (
     Accepted,
+    CheckpointRegistered,
+    CheckpointRemoval,
     CheckpointReport,
     Claim,
     ClaimRequest,
@@ -30,16 +32,13 @@ from contracts.reports import (
     HeartbeatAnswer,
     MetricBatch,
 )
-from service.attempt import (
-    claim_attempt,
-    finish_attempt,
-    heartbeat,
-    record_evals,
-    record_metrics,
-    register_checkpoint,
-)
-from service.deps import PumpDep, SessionDep, SettingsDep, require_worker
+from service.checkpoint import pinned_steps, remove_checkpoint
+from service.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
 from service.errors import PayloadTooLarge, error_body
+from service.fleet import note_attempt_worker, note_worker
+from service.lease import claim_attempt, heartbeat
+from service.models import utcnow
+from service.report import finish_attempt, record_evals, record_metrics, register_checkpoint
 from service.schemas import BatchAccepted, ItemErrorPublic
 
 PREFIX = "/internal/"
@@ -97,33 +96,56 @@ router = APIRouter(
 
 
 @router.post("/{attempt_id}/claim")
-def claim(attempt_id: str, body: ClaimRequest, session: SessionDep, settings: SettingsDep) -> Claim:
+def claim(
+    attempt_id: str,
+    body: ClaimRequest,
+    session: SessionDep,
+    settings: SettingsDep,
+    token: WorkerDep,
+) -> Claim:
     """Exactly one worker wins a queued attempt; others get 409 already_claimed/superseded."""
-    return claim_attempt(
+    claimed = claim_attempt(
         session=session,
         attempt_id=attempt_id,
         request=body,
+        token=token,
         lease_seconds=settings.lease_seconds,
         artifact_root=settings.artifact_root,
     )
+    note_worker(
+        session=session, hostname=body.hostname, pid=body.pid, now=utcnow(), attempt_id=attempt_id
+    )
+    session.commit()
+    return claimed
 
 
 @router.post("/{attempt_id}/heartbeat")
 def renew(
-    attempt_id: str, body: Heartbeat, session: SessionDep, settings: SettingsDep
+    attempt_id: str, body: Heartbeat, session: SessionDep, settings: SettingsDep, token: WorkerDep
 ) -> HeartbeatAnswer:
-    return heartbeat(
-        session=session, attempt_id=attempt_id, report=body, lease_seconds=settings.lease_seconds
+    answer = heartbeat(
+        session=session,
+        attempt_id=attempt_id,
+        report=body,
+        token=token,
+        lease_seconds=settings.lease_seconds,
     )
+    note_attempt_worker(session=session, attempt_id=attempt_id, now=utcnow())
+    session.commit()
+    return answer
 
 
 @router.post("/{attempt_id}/metrics")
 def metrics(
-    attempt_id: str, body: MetricBatch, session: SessionDep, settings: SettingsDep
+    attempt_id: str, body: MetricBatch, session: SessionDep, settings: SettingsDep, token: WorkerDep
 ) -> BatchAccepted:
     """Store the batch's points; those that cannot be stored are answered in `errors`."""
     accepted, errors = record_metrics(
-        session=session, attempt_id=attempt_id, batch=body, lease_seconds=settings.lease_seconds
+        session=session,
+        attempt_id=attempt_id,
+        batch=body,
+        token=token,
+        lease_seconds=settings.lease_seconds,
     )
     return BatchAccepted(
         accepted=accepted, errors=[ItemErrorPublic.model_validate(e) for e in errors]
@@ -131,21 +153,60 @@ def metrics(
 
 
 @router.post("/{attempt_id}/evals")
-def evals(attempt_id: str, body: EvalBatch, session: SessionDep, settings: SettingsDep) -> Accepted:
+def evals(
+    attempt_id: str, body: EvalBatch, session: SessionDep, settings: SettingsDep, token: WorkerDep
+) -> Accepted:
     accepted = record_evals(
-        session=session, attempt_id=attempt_id, batch=body, lease_seconds=settings.lease_seconds
+        session=session,
+        attempt_id=attempt_id,
+        batch=body,
+        token=token,
+        lease_seconds=settings.lease_seconds,
     )
     return Accepted(accepted=accepted)
 
 
 @router.post("/{attempt_id}/checkpoints")
 def checkpoints(
-    attempt_id: str, body: CheckpointReport, session: SessionDep, settings: SettingsDep
-) -> Accepted:
-    register_checkpoint(
-        session=session, attempt_id=attempt_id, report=body, lease_seconds=settings.lease_seconds
+    attempt_id: str,
+    body: CheckpointReport,
+    session: SessionDep,
+    settings: SettingsDep,
+    token: WorkerDep,
+) -> CheckpointRegistered:
+    """Register a complete checkpoint; the answer lists the run's pinned steps (checkpoints an
+    unfinished run starts from), which the worker's retention keeps."""
+    checkpoint = register_checkpoint(
+        session=session,
+        attempt_id=attempt_id,
+        report=body,
+        token=token,
+        lease_seconds=settings.lease_seconds,
+        artifact_root=settings.artifact_root,
     )
-    return Accepted(accepted=1)
+    pinned = pinned_steps(session=session, run_id=checkpoint.run_id)
+    return CheckpointRegistered(accepted=1, pinned_steps=pinned)
+
+
+@router.post("/{attempt_id}/checkpoints/removals")
+def checkpoint_removals(
+    attempt_id: str,
+    body: CheckpointRemoval,
+    session: SessionDep,
+    settings: SettingsDep,
+    token: WorkerDep,
+) -> Accepted:
+    """A registered checkpoint the worker deleted (retention) or quarantined (failed
+    verification): no longer listed by default nor resumed from. `accepted` is 0 for a step
+    the registry does not hold; a deletion of a pinned checkpoint is 409 `checkpoint_pinned`."""
+    removed = remove_checkpoint(
+        session=session,
+        attempt_id=attempt_id,
+        removal=body,
+        token=token,
+        lease_seconds=settings.lease_seconds,
+    )
+    return Accepted(accepted=0 if removed is None else 1)
 
 
 @router.post("/{attempt_id}/finish")
@@ -156,10 +217,17 @@ def finish(
     settings: SettingsDep,
     pump: PumpDep,
     background: BackgroundTasks,
+    token: WorkerDep,
 ) -> Accepted:
-    """End the attempt; the next phase's (or a restart's) attempt is dispatched after commit."""
+    """End the attempt; the next phase's (or a restart's) attempt is dispatched after commit.
+    A `succeeded` finish that is not true (not the phase's last step, or its final checkpoint
+    not registered) is 409 `unverified_finish`."""
     next_attempt = finish_attempt(
-        session=session, attempt_id=attempt_id, report=body, lease_seconds=settings.lease_seconds
+        session=session,
+        attempt_id=attempt_id,
+        report=body,
+        token=token,
+        lease_seconds=settings.lease_seconds,
     )
     if next_attempt is not None:
         background.add_task(pump.dispatch)

@@ -4,11 +4,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Body, Depends, Header, Query, Response, status
 from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session
 
-from service.checkpoint import list_checkpoints
+from service.checkpoint import CheckpointFilter, list_checkpoints
 from service.control import cancel_run, pause_run
 from service.deps import PumpDep, RunDep, SessionDep, SettingsDep, require_admin
-from service.models import RunStatus
+from service.lifecycle import RunStatus
+from service.models import Run
 from service.resume import resume_run
 from service.run import create_run, list_runs, run_public, runs_public
 from service.schemas import (
@@ -21,8 +23,16 @@ from service.schemas import (
     RunsPublic,
 )
 from service.series import eval_summary, metric_columns
+from service.settings import ServiceSettings
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_admin)])
+
+
+def _public(session: Session, settings: ServiceSettings, run: Run) -> RunPublic:
+    return run_public(
+        session=session, run=run, lease_seconds=settings.lease_seconds, queue=settings.queue
+    )
+
 
 MaxPoints = Annotated[
     int | None, Query(ge=1, description="keep at most this many points per series")
@@ -54,23 +64,27 @@ def submit_run(
         background.add_task(pump.dispatch)
     else:
         response.status_code = status.HTTP_200_OK
-    return run_public(session=session, run=run)
+    return _public(session, settings, run)
 
 
 @router.get("")
 def read_runs(
     session: SessionDep,
+    settings: SettingsDep,
     limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 50,
     status: RunStatus | None = None,
 ) -> RunsPublic:
     """Newest first. `count` is the number of runs matching `status`, over all pages."""
     runs, count = list_runs(session=session, limit=limit, status=status)
-    return RunsPublic(runs=runs_public(session=session, runs=runs), count=count)
+    public = runs_public(
+        session=session, runs=runs, lease_seconds=settings.lease_seconds, queue=settings.queue
+    )
+    return RunsPublic(runs=public, count=count)
 
 
 @router.get("/{run_id}")
-def read_run(run: RunDep, session: SessionDep) -> RunPublic:
-    return run_public(session=session, run=run)
+def read_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic:
+    return _public(session, settings, run)
 
 
 @router.post("/{run_id}/resume")
@@ -94,24 +108,24 @@ def resume(
     )
     if attempt is not None:
         background.add_task(pump.dispatch)
-    return run_public(session=session, run=resumed)
+    return _public(session, settings, resumed)
 
 
 @router.post("/{run_id}/pause")
-def pause(run: RunDep, session: SessionDep) -> RunPublic:
+def pause(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """Pause the run. A queued attempt is superseded and the run is `paused` at once; a running
     worker is told by its next heartbeat (`pause`) to checkpoint and finish `paused`, and until
     then the run shows `pause_requested_at`. Resume continues it. Repeating is a no-op (200);
     a finished run is 409 `run_finished`."""
-    return run_public(session=session, run=pause_run(session=session, run_id=run.id))
+    return _public(session, settings, pause_run(session=session, run_id=run.id))
 
 
 @router.post("/{run_id}/cancel")
-def cancel(run: RunDep, session: SessionDep) -> RunPublic:
+def cancel(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """Cancel the run at once, without a new checkpoint: its attempt is superseded, so its
     worker's next heartbeat answers `stop` and its reports are refused (409 `superseded`).
     Repeating is a no-op (200); a succeeded or failed run is 409 `run_finished`."""
-    return run_public(session=session, run=cancel_run(session=session, run_id=run.id))
+    return _public(session, settings, cancel_run(session=session, run_id=run.id))
 
 
 @router.get("/{run_id}/metrics", response_class=JSONResponse)
@@ -135,8 +149,19 @@ def read_eval(run: RunDep, session: SessionDep, max_points: MaxPoints = None) ->
 
 
 @router.get("/{run_id}/checkpoints")
-def read_checkpoints(run: RunDep, session: SessionDep) -> CheckpointsPublic:
-    checkpoints = list_checkpoints(session=session, run_id=run.id)
+def read_checkpoints(
+    run: RunDep,
+    session: SessionDep,
+    status: Annotated[
+        CheckpointFilter,
+        Query(
+            description="`usable` (what a resume or another run may start from), `deleted`, "
+            "`quarantined`, or `all` with each one's status and reason"
+        ),
+    ] = "usable",
+) -> CheckpointsPublic:
+    """The run's checkpoints, oldest first: by default only usable ones."""
+    checkpoints = list_checkpoints(session=session, run_id=run.id, status=status)
     return CheckpointsPublic(
         checkpoints=[CheckpointPublic.model_validate(c) for c in checkpoints],
         count=len(checkpoints),

@@ -1,0 +1,318 @@
+"""Report ingestion: what a worker posts about its attempt (metric points, evaluations,
+checkpoint registrations) and how it ends (finish). Every report is fenced (service.lease):
+only the claimant, with the claim's secret, writes, and each accepted report renews the lease.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from contracts.reports import (
+    CheckpointReport,
+    EvalBatch,
+    Finish,
+    MetricBatch,
+)
+from contracts.reports import MetricPoint as ReportedPoint
+from contracts.workflow import MAX_COUNT
+from service.db import insert_for
+from service.errors import ApiError
+from service.lease import fence
+from service.lifecycle import (
+    RETRIED_CAUSE,
+    AttemptStatus,
+    advance_run_step,
+    set_run_step,
+    settle_attempt,
+)
+from service.models import (
+    ApiToken,
+    Attempt,
+    Checkpoint,
+    EvalResult,
+    MetricPoint,
+    Run,
+    utcnow,
+)
+
+
+def checkpoint_dir_of(artifact_root: Path, run_id: str) -> Path:
+    """Where a run's checkpoints live: `<artifact_root>/runs/<run_id>/checkpoints`."""
+    return Path(os.path.normpath(artifact_root / "runs" / run_id / "checkpoints"))
+
+
+def _inside(path: str, directory: Path) -> bool:
+    """`path` names an entry strictly below `directory`, judged on the text of the path (the
+    service need not see the artifact store): absolute, no `..` escaping it."""
+    candidate = Path(os.path.normpath(path))
+    return (
+        candidate.is_absolute() and candidate != directory and candidate.is_relative_to(directory)
+    )
+
+
+def finite_or_none(value: float) -> float | None:
+    """NaN and inf are stored as NULL: SQLite cannot store NaN, and JSON cannot say either."""
+    return value if math.isfinite(value) else None
+
+
+# The longest metric name the metrics table stores (MetricPoint.name).
+MAX_METRIC_NAME = 200
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """One refused item of a batch, by its index in the request."""
+
+    index: int
+    error: str
+
+
+def point_error(point: ReportedPoint) -> str | None:
+    """Why one metric point cannot be stored, or None. A non-finite value is refused (a NaN
+    loss is the worker's to report as a failure with cause `nan`), not stored as a gap."""
+    if not point.name.strip():
+        return "name is empty; name the metric (e.g. 'loss')"
+    if len(point.name) > MAX_METRIC_NAME:
+        return f"name is {len(point.name)} characters long; at most {MAX_METRIC_NAME} are stored"
+    if not 0 <= point.step <= MAX_COUNT:
+        return f"step {point.step} is out of range; steps count from 0 to {MAX_COUNT}"
+    if not math.isfinite(point.value):
+        return (
+            f"value {point.value} at step {point.step} is not finite; only finite values are stored"
+        )
+    return None
+
+
+def record_metrics(
+    *,
+    session: Session,
+    attempt_id: str,
+    batch: MetricBatch,
+    token: ApiToken,
+    lease_seconds: float,
+) -> tuple[int, list[ItemError]]:
+    """Upsert points by (run, name, step): a resumed attempt's re-report wins. A point that
+    cannot be stored is answered as an error with its index; the rest are stored. Returns
+    (stored, errors)."""
+    attempt = fence(
+        session=session,
+        attempt_id=attempt_id,
+        fencing_token=batch.fencing_token,
+        token=token,
+        lease_seconds=lease_seconds,
+    )
+    errors: list[ItemError] = []
+    # One statement may not touch a row twice (Postgres refuses); the batch's last value wins.
+    latest: dict[tuple[str, int], float] = {}
+    for index, point in enumerate(batch.points):
+        error = point_error(point)
+        if error is None:
+            latest[(point.name, point.step)] = point.value
+        else:
+            errors.append(ItemError(index=index, error=error))
+    if latest:
+        stmt = insert_for(session, MetricPoint).values(
+            [
+                {
+                    "run_id": attempt.run_id,
+                    "name": name,
+                    "step": step,
+                    "value": value,
+                    "attempt_id": attempt.id,
+                }
+                for (name, step), value in latest.items()
+            ]
+        )
+        session.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["run_id", "name", "step"],
+                set_={"value": stmt.excluded.value, "attempt_id": stmt.excluded.attempt_id},
+            )
+        )
+        advance_run_step(session, attempt.run_id, max(step for _, step in latest))
+    session.commit()
+    return len(batch.points) - len(errors), errors
+
+
+def record_evals(
+    *,
+    session: Session,
+    attempt_id: str,
+    batch: EvalBatch,
+    token: ApiToken,
+    lease_seconds: float,
+) -> int:
+    attempt = fence(
+        session=session,
+        attempt_id=attempt_id,
+        fencing_token=batch.fencing_token,
+        token=token,
+        lease_seconds=lease_seconds,
+    )
+    latest = {(r.task, r.step): r for r in batch.results}
+    if latest:
+        stmt = insert_for(session, EvalResult).values(
+            [
+                {
+                    "run_id": attempt.run_id,
+                    "task": r.task,
+                    "step": r.step,
+                    "attempt_id": attempt.id,
+                    "phase": r.phase,
+                    "cross_entropy": finite_or_none(r.cross_entropy),
+                    "perplexity": finite_or_none(r.perplexity),
+                    "records": r.records,
+                    "target_tokens": r.target_tokens,
+                    "oversized_records": r.oversized_records,
+                }
+                for r in latest.values()
+            ]
+        )
+        updated = (
+            "attempt_id",
+            "phase",
+            "cross_entropy",
+            "perplexity",
+            "records",
+            "target_tokens",
+            "oversized_records",
+        )
+        session.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["run_id", "task", "step"],
+                set_={column: stmt.excluded[column] for column in updated},
+            )
+        )
+    session.commit()
+    return len(batch.results)
+
+
+def register_checkpoint(
+    *,
+    session: Session,
+    attempt_id: str,
+    report: CheckpointReport,
+    token: ApiToken,
+    lease_seconds: float,
+    artifact_root: Path,
+) -> Checkpoint:
+    """Record a complete checkpoint. The same step registered again (a resumed attempt writing
+    it anew) replaces the earlier entry. Its path must lie in the run's own checkpoint
+    directory (`checkpoint_dir_of`): 422 `invalid_checkpoint_path` otherwise, since the service
+    hands registered paths to later attempts and to other runs as initial checkpoints."""
+    attempt = fence(
+        session=session,
+        attempt_id=attempt_id,
+        fencing_token=report.fencing_token,
+        token=token,
+        lease_seconds=lease_seconds,
+    )
+    ref = report.checkpoint
+    directory = checkpoint_dir_of(artifact_root, attempt.run_id)
+    if not _inside(ref.path, directory):
+        session.rollback()
+        raise ApiError(
+            422,
+            "invalid_checkpoint_path",
+            f"checkpoint.path: {ref.path!r} is not inside this run's checkpoint directory "
+            f"{str(directory)!r}; a worker writes checkpoints there only",
+            {"field": "checkpoint.path", "path": ref.path, "expected_under": str(directory)},
+        )
+    stmt = insert_for(session, Checkpoint).values(
+        run_id=attempt.run_id,
+        attempt_id=attempt.id,
+        step=ref.step,
+        phase_index=ref.phase_index,
+        phase_step=ref.phase_step,
+        path=ref.path,
+        created_at=utcnow(),
+        # Written anew: usable again, whatever became of the directory it replaced.
+        status="usable",
+        reason=None,
+        removed_at=None,
+    )
+    updated = ("attempt_id", "phase_index", "phase_step", "path", "created_at")
+    session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["run_id", "step"],
+            set_={
+                column: stmt.excluded[column]
+                for column in (*updated, "status", "reason", "removed_at")
+            },
+        )
+    )
+    advance_run_step(session, attempt.run_id, ref.step)
+    session.commit()
+    checkpoint = session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == attempt.run_id, Checkpoint.step == ref.step)
+    ).one()
+    return checkpoint
+
+
+def _unverified_finish(attempt: Attempt, message: str) -> ApiError:
+    return ApiError(
+        409,
+        "unverified_finish",
+        f"attempt {attempt.id} (run {attempt.run_id}, number {attempt.number}) reports "
+        f"success, but {message}; the attempt stays running (report the phase's final "
+        "checkpoint, then finish again)",
+        {"attempt_id": attempt.id},
+    )
+
+
+def verify_success(*, session: Session, run: Run, attempt: Attempt, step: int) -> None:
+    """A `succeeded` finish is believed only when it is true: the step is the phase's last,
+    and that step's checkpoint is registered and usable (the next phase starts from it).
+    409 `unverified_finish` otherwise."""
+    last = int(run.plan["phases"][attempt.phase_index]["last_step"])
+    if step != last:
+        raise _unverified_finish(attempt, f"step {step} is not the last step of its phase ({last})")
+    final = session.scalars(
+        select(Checkpoint).where(
+            Checkpoint.run_id == run.id,
+            Checkpoint.step == last,
+            Checkpoint.status == "usable",
+        )
+    ).one_or_none()
+    if final is None:
+        raise _unverified_finish(
+            attempt, f"no usable checkpoint of its final step {last} is registered"
+        )
+
+
+def finish_attempt(
+    *, session: Session, attempt_id: str, report: Finish, token: ApiToken, lease_seconds: float
+) -> Attempt | None:
+    """End an attempt and move the run on (service.lifecycle.settle_attempt). A `succeeded`
+    finish is verified first (verify_success). Returns the new attempt, if any, whose outbox
+    row the caller dispatches after this commit."""
+    now = utcnow()
+    attempt = fence(
+        session=session,
+        attempt_id=attempt_id,
+        fencing_token=report.fencing_token,
+        token=token,
+        lease_seconds=lease_seconds,
+    )
+    run = session.get(Run, attempt.run_id, with_for_update=True)
+    assert run is not None
+    if report.status == AttemptStatus.SUCCEEDED:
+        try:
+            verify_success(session=session, run=run, attempt=attempt, step=report.step)
+        except ApiError:
+            session.rollback()
+            raise
+    attempt.status = report.status
+    attempt.finished_at = now
+    attempt.cause = (report.cause or RETRIED_CAUSE) if report.status == "failed" else None
+    attempt.message = report.message
+    set_run_step(run, report.step)
+    next_attempt = settle_attempt(session=session, run=run, attempt=attempt, now=now)
+    session.commit()
+    return next_attempt

@@ -1,0 +1,409 @@
+"""Leases, claims and fences on real Postgres, driven over HTTP as a worker drives them:
+an idempotent claim, a per-claim secret that only its claimant may present, checkpoint paths
+confined to the run, a `succeeded` finish that must be true, stalls, and the grace the reaper
+gives leases it could not hear."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from contracts.reports import ClaimRequest
+from service.auth import create_token
+from service.lease import lease_end
+from service.models import Attempt, Run, utcnow
+from service.reaper import Reaper, reap_expired
+from worker.client import ServiceClient
+
+if TYPE_CHECKING:
+    from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory
+
+pytestmark = pytest.mark.integration
+
+LEASE = 30.0
+
+
+@pytest.fixture
+def api(make_settings: SettingsFactory, make_api: ApiFactory) -> Api:
+    # The app's own reaper sleeps through these tests: each one drives the reaper itself.
+    settings = make_settings(lease_seconds=LEASE, reaper_interval_seconds=3600)
+    return make_api(settings)
+
+
+class Claimant:
+    """One worker's side of /internal/attempts/{id}/..., over HTTP, with its own token."""
+
+    def __init__(self, api: Api, attempt_id: str, headers: dict[str, str], nonce: str) -> None:
+        self.api, self.attempt_id, self.headers, self.nonce = api, attempt_id, headers, nonce
+        self.secret: str | None = None
+        self.claimed: dict[str, Any] = {}
+
+    def post(self, action: str, body: dict[str, Any]) -> Any:
+        return self.api.client.post(
+            f"/internal/attempts/{self.attempt_id}/{action}", json=body, headers=self.headers
+        )
+
+    def claim(self) -> Any:
+        answer = self.post("claim", {"hostname": "gpu-1", "pid": 7, "nonce": self.nonce})
+        if answer.status_code == 200:
+            self.claimed = answer.json()
+            self.secret = self.claimed["fencing_token"]
+        return answer
+
+    def heartbeat(self, step: int, progress: int = 0, secret: str | None = None) -> Any:
+        body = {"fencing_token": secret or self.secret, "step": step, "progress": progress}
+        return self.post("heartbeat", body)
+
+    def metrics(self, step: int) -> Any:
+        point = {"name": "loss", "step": step, "value": 1.0}
+        return self.post("metrics", {"fencing_token": self.secret, "points": [point]})
+
+    def checkpoint(self, step: int, path: str | None = None) -> Any:
+        path = path or f"{self.claimed['artifact_dir']}/checkpoints/step-{step:08d}"
+        ref = {"path": path, "step": step, "phase_index": 0, "phase_step": step}
+        return self.post("checkpoints", {"fencing_token": self.secret, "checkpoint": ref})
+
+    def finish(self, status: str, step: int, **extra: Any) -> Any:
+        body = {"fencing_token": self.secret, "status": status, "step": step, **extra}
+        return self.post("finish", body)
+
+
+def start_run(api: Api, workflow: dict[str, Any]) -> tuple[str, str]:
+    created = api.client.post("/runs", json={"workflow": workflow}, headers=api.admin)
+    assert created.status_code == 201, created.text
+    run = created.json()
+    return run["id"], run["attempts"][0]["id"]
+
+
+def second_worker_headers(api: Api) -> dict[str, str]:
+    with api.sessions() as session:
+        token = create_token(session=session, name="another worker", role="worker")
+    return {"Authorization": f"Bearer {token}"}
+
+
+def attempt_row(api: Api, attempt_id: str) -> Attempt:
+    with api.sessions() as session:
+        attempt = session.get(Attempt, attempt_id)
+        assert attempt is not None
+        session.expunge(attempt)
+        return attempt
+
+
+def run_row(api: Api, run_id: str) -> Run:
+    with api.sessions() as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        session.expunge(run)
+        return run
+
+
+def error_code(answer: Any, status: int) -> str:
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"code", "message", "details"} and error["message"]
+    return str(error["code"])
+
+
+# --- claims ------------------------------------------------------------------------------
+
+
+class DropFirstClaimAnswer(httpx.BaseTransport):
+    """Delivers the first claim to the service, then loses its answer on the way back (a
+    connection reset after the service committed): the client sees a transport error."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner, self.dropped = inner, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        content = response.read()
+        if request.url.path.endswith("/claim") and not self.dropped:
+            self.dropped += 1
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return httpx.Response(response.status_code, headers=response.headers, content=content)
+
+
+def test_a_claim_whose_answer_was_lost_is_retried_and_gets_the_same_claim(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    _, attempt_id = start_run(api, tiny_workflow(phases=1))
+    transport = DropFirstClaimAnswer(api.client._transport)
+    token = api.worker["Authorization"].removeprefix("Bearer ")
+    client = ServiceClient(
+        "http://testserver", token, transport=transport, retries=2, backoff_seconds=0
+    )
+    request = ClaimRequest(hostname="gpu-1", pid=7, nonce="n-1")
+    claim = client.claim(attempt_id, request)
+    assert transport.dropped == 1
+    assert claim is not None, "the retry of a winning claim must get the claim, not a refusal"
+    row = attempt_row(api, attempt_id)
+    assert (row.status, row.fencing_token, row.claim_nonce) == (
+        "running",
+        claim.fencing_token,
+        "n-1",
+    )
+    # The same claimant asking once more still gets the same claim; nobody else does.
+    assert client.claim(attempt_id, request) == claim
+    other = Claimant(api, attempt_id, api.worker, nonce="n-2")
+    assert error_code(other.claim(), 409) == "already_claimed"
+
+
+def test_each_claim_gets_its_own_random_secret(api: Api, tiny_workflow: WorkflowFactory) -> None:
+    secrets = set()
+    for _ in range(3):
+        _, attempt_id = start_run(api, tiny_workflow(phases=1))
+        worker = Claimant(api, attempt_id, api.worker, nonce="n")
+        assert worker.claim().status_code == 200
+        assert worker.secret is not None and len(worker.secret) >= 32
+        secrets.add(worker.secret)
+    assert len(secrets) == 3
+
+
+# --- fences ------------------------------------------------------------------------------
+
+
+def test_another_worker_token_cannot_write_to_an_attempt_it_did_not_claim(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    owner = Claimant(api, attempt_id, api.worker, nonce="owner")
+    assert owner.claim().status_code == 200
+    # Even holding the secret (leaked, guessed), another worker token is refused.
+    thief = Claimant(api, attempt_id, second_worker_headers(api), nonce="thief")
+    thief.secret, thief.claimed = owner.secret, owner.claimed
+    assert error_code(thief.heartbeat(1, progress=1), 403) == "forbidden"
+    assert error_code(thief.metrics(1), 403) == "forbidden"
+    assert error_code(thief.checkpoint(4), 403) == "forbidden"
+    assert error_code(thief.finish("failed", 1, cause="data"), 403) == "forbidden"
+    row = attempt_row(api, attempt_id)
+    assert (row.status, row.progress) == ("running", 0)
+    assert api.client.get(f"/runs/{run_id}/metrics", headers=api.admin).json() == {}
+    assert owner.metrics(1).status_code == 200
+
+
+def test_a_stale_secret_is_refused_after_the_attempt_was_given_away(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    zombie = Claimant(api, attempt_id, api.worker, nonce="z")
+    assert zombie.claim().status_code == 200
+    later = utcnow() + timedelta(seconds=LEASE + 1)
+    assert reap_expired(session_factory=api.sessions, now=later) == [attempt_id]
+    assert zombie.heartbeat(2, progress=2).json()["action"] == "stop"
+    assert error_code(zombie.metrics(2), 409) == "superseded"
+    new_attempt = max(
+        api.client.get(f"/runs/{run_id}", headers=api.admin).json()["attempts"],
+        key=lambda a: a["number"],
+    )
+    heir = Claimant(api, new_attempt["id"], api.worker, nonce="h")
+    assert heir.claim().status_code == 200
+    # The zombie presents its old secret to the new attempt: no.
+    zombie.attempt_id = heir.attempt_id
+    assert error_code(zombie.metrics(2), 409) == "superseded"
+    assert heir.metrics(2).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/etc/passwd",
+        "{artifacts}/runs/run_other/checkpoints/step-00000004",
+        "{artifacts}/runs/{run}/checkpoints/../../run_other/checkpoints/step-00000004",
+        "{artifacts}/runs/{run}/checkpoints",
+        "{artifacts}/runs/{run}/step-00000004",
+        "runs/{run}/checkpoints/step-00000004",
+    ],
+)
+def test_a_checkpoint_path_outside_the_runs_checkpoint_directory_is_refused(
+    api: Api, tiny_workflow: WorkflowFactory, path: str
+) -> None:
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    given = path.format(artifacts=api.settings.artifact_root, run=run_id)
+    answer = worker.checkpoint(4, path=given)
+    assert error_code(answer, 422) == "invalid_checkpoint_path"
+    assert answer.json()["error"]["details"]["field"] == "checkpoint.path"
+    listed = api.client.get(f"/runs/{run_id}/checkpoints", headers=api.admin).json()
+    assert listed["checkpoints"] == []
+    assert worker.checkpoint(4).status_code == 200  # its own directory is fine
+
+
+# --- finishes ----------------------------------------------------------------------------
+
+
+def test_a_succeeded_finish_is_believed_only_at_the_phase_end_with_its_checkpoint(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    assert error_code(worker.finish("succeeded", 3), 409) == "unverified_finish"
+    assert error_code(worker.finish("succeeded", 4), 409) == "unverified_finish"
+    assert attempt_row(api, attempt_id).status == "running"
+    assert run_row(api, run_id).status == "running"
+    assert worker.checkpoint(4).status_code == 200
+    assert worker.finish("succeeded", 4).status_code == 200
+    assert run_row(api, run_id).status == "succeeded"
+
+
+def test_a_checkpoint_that_cannot_be_read_fails_the_run_without_a_retry(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    message = "checkpoint step-00000004 failed verification and has no fallback"
+    answer = worker.finish("failed", 0, cause="checkpoint", message=message)
+    assert answer.status_code == 200, answer.text
+    run = api.client.get(f"/runs/{run_id}", headers=api.admin).json()
+    assert (run["status"], run["cause"]) == ("failed", "checkpoint")
+    assert [a["status"] for a in run["attempts"]] == ["failed"]
+
+
+# --- stalls ------------------------------------------------------------------------------
+
+
+def test_an_attempt_whose_progress_stalls_is_lost_as_stalled_and_recovered(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """Heartbeats alone (a keeper thread beating for a hung loop) keep the lease but not the
+    attempt: once its progress has not moved for stall_seconds it is lost, cause `stalled`."""
+    stall = 10.0
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    assert worker.heartbeat(1, progress=3).status_code == 200
+    moved_at = attempt_row(api, attempt_id).progress_at
+    assert worker.heartbeat(1, progress=3).json()["action"] == "continue"
+    assert attempt_row(api, attempt_id).progress_at == moved_at  # beats do not count
+
+    assert moved_at is not None
+    almost = moved_at + timedelta(seconds=stall - 1)
+    assert reap_expired(session_factory=api.sessions, now=almost, stall_seconds=stall) == []
+    later = moved_at + timedelta(seconds=stall + 1)  # the lease (30 s) still holds
+    assert reap_expired(session_factory=api.sessions, now=later, stall_seconds=stall) == [
+        attempt_id
+    ]
+    row = attempt_row(api, attempt_id)
+    assert (row.status, row.cause) == ("lost", "stalled")
+    assert "no progress" in (row.message or "")
+    run = api.client.get(f"/runs/{run_id}", headers=api.admin).json()
+    assert run["status"] == "recovering" and "stalled" in run["message"]
+    assert [a["status"] for a in run["attempts"]] == ["lost", "queued"]
+    assert worker.heartbeat(1, progress=4).json()["action"] == "stop"
+
+
+def test_moving_progress_keeps_a_slow_attempt(api: Api, tiny_workflow: WorkflowFactory) -> None:
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    for progress in range(1, 4):
+        assert worker.heartbeat(1, progress=progress).status_code == 200
+    moved_at = attempt_row(api, attempt_id).progress_at
+    assert moved_at is not None
+    soon = moved_at + timedelta(seconds=5)
+    assert reap_expired(session_factory=api.sessions, now=soon, stall_seconds=10) == []
+    assert attempt_row(api, attempt_id).status == "running"
+
+
+# --- grace -------------------------------------------------------------------------------
+
+
+def expire_now(api: Api, attempt_id: str, seconds_ago: float) -> None:
+    """The lease ran out `seconds_ago` (the service was down meanwhile)."""
+    with api.sessions() as session:
+        past = utcnow() - timedelta(seconds=seconds_ago)
+        session.execute(
+            update(Attempt)
+            .where(Attempt.id == attempt_id)
+            .values(lease_expires_at=past, progress_at=past - timedelta(seconds=LEASE))
+        )
+        session.commit()
+
+
+def test_the_reaper_gives_leases_a_period_of_grace_when_it_starts(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """Leases that ran out while the service was down are not judged by that time: the first
+    pass extends them by one lease; only a worker silent through that period is lost."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    expire_now(api, attempt_id, seconds_ago=3 * LEASE)
+
+    reaper = Reaper(
+        session_factory=api.sessions,
+        dispatch=lambda: None,
+        interval=1,
+        lease_seconds=LEASE,
+        stall_seconds=2 * LEASE,
+    )
+    started = utcnow()
+    assert reaper.reap(started) == []  # the first pass: grace
+    row = attempt_row(api, attempt_id)
+    assert row.status == "running"
+    assert row.lease_expires_at is not None and row.lease_expires_at >= lease_end(started, LEASE)
+    assert reaper.reap(started + timedelta(seconds=LEASE / 2)) == []
+    # The worker, alive, renews within the grace: it keeps its attempt.
+    assert worker.heartbeat(2, progress=1).json()["action"] == "continue"
+    assert reaper.reap(utcnow() + timedelta(seconds=LEASE / 2)) == []
+    # A worker that stays silent through the grace is lost one lease later.
+    assert reaper.reap(utcnow() + timedelta(seconds=LEASE + 1)) == [attempt_id]
+    assert reaper.graces == 1
+
+
+class FailingOnce:
+    """A session factory whose next session fails like a database that went away."""
+
+    def __init__(self, sessions: Any) -> None:
+        self.sessions, self.fail = sessions, False
+
+    def __call__(self) -> Session:
+        if self.fail:
+            self.fail = False
+            raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+        session: Session = self.sessions()
+        return session
+
+
+def test_the_reaper_gives_grace_again_after_the_database_comes_back(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    sessions = FailingOnce(api.sessions)
+    reaper = Reaper(
+        session_factory=sessions,  # type: ignore[arg-type]
+        dispatch=lambda: None,
+        interval=1,
+        lease_seconds=LEASE,
+    )
+    assert reaper.reap() == [] and reaper.graces == 1
+    sessions.fail = True
+    assert reaper.reap() == []  # the outage: a failed pass
+    expire_now(api, attempt_id, seconds_ago=2 * LEASE)  # workers could not be heard meanwhile
+    assert reaper.reap() == [] and reaper.graces == 2
+    assert attempt_row(api, attempt_id).status == "running"
+    assert reaper.reap(utcnow() + timedelta(seconds=LEASE + 1)) == [attempt_id]
+
+
+def test_nothing_is_written_for_an_attempt_with_the_right_secret_but_no_claim(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """A queued attempt has no secret: no token opens it."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    worker.secret = "guess"
+    assert worker.heartbeat(0).json()["action"] == "stop"
+    assert error_code(worker.metrics(1), 409) == "superseded"
+    with api.sessions() as session:
+        status = session.scalar(select(Attempt.status).where(Attempt.id == attempt_id))
+    assert status == "queued"

@@ -1,0 +1,113 @@
+"""The lease keeper: one daemon thread that renews an attempt's lease from claim to finish,
+whatever the training loop is doing (a step, a checkpoint wait, an evaluation, hashing or
+encoding inputs may each take longer than the lease).
+
+A thread alone would keep a hung worker's lease forever, so every heartbeat carries
+`progress`, a counter the loop moves as it works (`advance`: a step, an eval, a checkpoint, a
+unit of preparation). The service judges a stall by that counter, not by the heartbeats: an
+attempt whose progress has not moved for TRAINCTL_STALL_SECONDS is lost with cause `stalled`
+even while its keeper still beats.
+
+The keeper only heartbeats; it never touches the reporter's spool. It keeps the service's
+latest order (`continue`, `pause`, or `stop`: stop and pause stick) for the loop to read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Literal
+
+from contracts.reports import Heartbeat
+from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+
+log = logging.getLogger(__name__)
+
+# The service's orders, from a heartbeat answer: train on; checkpoint now and finish "paused";
+# stop at once and write nothing more (the attempt was superseded or the run cancelled).
+Action = Literal["continue", "pause", "stop"]
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        client: ServiceClient,
+        *,
+        attempt_id: str,
+        fencing_token: str,
+        interval: float,
+        step: int,
+    ) -> None:
+        self._client = client
+        self._attempt_id = attempt_id
+        self._token = fencing_token
+        self._interval = interval
+        self._lock = threading.Lock()  # guards the fields below
+        self._beat_lock = threading.Lock()  # one heartbeat in flight at a time
+        self._step = step
+        self._progress = 0
+        self._order: Action = "continue"
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def order(self) -> Action:
+        with self._lock:
+            return self._order
+
+    @property
+    def progress(self) -> int:
+        with self._lock:
+            return self._progress
+
+    def advance(self, step: int | None = None) -> None:
+        """The loop did a unit of work (at `step`, the last global step done, when given)."""
+        with self._lock:
+            self._progress += 1
+            if step is not None:
+                self._step = step
+
+    def beat(self) -> Action:
+        """One heartbeat now; returns the service's order (the previous one when the service
+        cannot be reached: an unreachable service orders nothing)."""
+        with self._beat_lock:
+            with self._lock:
+                report = Heartbeat(
+                    fencing_token=self._token, step=self._step, progress=self._progress
+                )
+            try:
+                answer = self._client.heartbeat(self._attempt_id, report)
+            except ServiceUnavailable as err:
+                log.warning("heartbeat at step %d failed; training on: %s", report.step, err)
+                return self.order
+            except Superseded:
+                action: Action = "stop"
+            except ServiceError as err:  # a 4xx other than superseded: say so, keep trying
+                log.error("heartbeat at step %d refused: %s", report.step, err)
+                return self.order
+            else:
+                action = answer.action
+            with self._lock:
+                if self._order == "continue" or action == "stop":
+                    self._order = action
+                return self._order
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"lease-{self._attempt_id}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval):
+            try:
+                if self.beat() == "stop":
+                    return  # nothing left to keep
+            except Exception:  # an unexpected answer: logged, and the next beat still goes out
+                log.exception("heartbeat of attempt %s failed", self._attempt_id)
