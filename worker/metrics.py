@@ -22,6 +22,14 @@ CHECKPOINTS = Counter("trainctl_worker_checkpoints", "Checkpoints published by t
 ATTEMPTS = Counter(
     "trainctl_worker_attempts", "Attempts this worker ended, by how they ended.", ["status"]
 )
+SPOOLED = Counter(
+    "trainctl_worker_reports_spooled",
+    "Reports written to the spool because the service could not take them.",
+)
+UNSPOOLED = Counter(
+    "trainctl_worker_reports_unspooled",
+    "Spooled reports the service took later (sent by the attempt's own process).",
+)
 JOBS = Counter("trainctl_worker_jobs", "Jobs (inspections, evaluations) run, by kind.", ["kind"])
 
 

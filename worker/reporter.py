@@ -30,6 +30,7 @@ from contracts.reports import (
     MetricPoint,
     RemovalStatus,
 )
+from worker import metrics
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.lease import Action, LeaseKeeper
 from worker.spool import Report, Spool, SpoolError, kind_of
@@ -224,6 +225,7 @@ class ServiceReporter:
                     log.warning("service unreachable; spooling reports from now on: %s", err)
                     delivered = False
             self._spool.append(report)
+            metrics.SPOOLED.inc()
         return delivered
 
     def _deliver(self) -> bool:
@@ -237,6 +239,7 @@ class ServiceReporter:
                 log.warning("service unreachable; %d reports stay spooled: %s", left, err)
                 return False
             self._spool.remove(path)
+            metrics.UNSPOOLED.inc()
         return True
 
     def _send(self, report: Report) -> None:

@@ -1,0 +1,97 @@
+"""The control plane's own operations with real processes (`trainctl serve` on Postgres,
+`trainctl worker` on Redis): a service down for several leases, a step longer than several
+leases, and a worker that hangs instead of dying. Runs must come through each of them as an
+uninterrupted run would, losing no attempt to the service's own deafness."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from exact import assert_identical_runs, reference_run, workflow
+from procs import Proc, Stack, processes, wait_for_run
+
+from cli.stack import free_port
+
+pytestmark = pytest.mark.integration
+
+LEASE = 5
+SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": str(LEASE), "TRAINCTL_REAPER_INTERVAL_SECONDS": "1"}
+WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
+
+
+def wait_until(predicate: Any, *, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def counter(port: int, name: str) -> float:
+    """A counter of the worker's Prometheus metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    found = re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not in the worker's metrics"
+    return float(found.group(1))
+
+
+def assert_each_step_once(api: httpx.Client, run: dict[str, Any]) -> None:
+    metrics = api.get(f"/runs/{run['id']}/metrics").json()
+    for name, column in metrics.items():
+        assert column["steps"] == list(range(1, run["total_steps"] + 1)), name
+
+
+def test_a_service_down_for_three_leases_loses_no_attempt_and_no_report(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Stopped mid-phase for three leases, the service comes back to leases that all ran out
+    while it could not hear them. It grants them grace instead of reaping them: the worker
+    trains on, spools its reports, delivers them, and the run ends with its one attempt,
+    bit-identical to an uninterrupted run."""
+    body = {"workflow": workflow("continued_pretrain", steps=60)}
+    metrics_port = free_port()
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
+        worker = stack.worker(**WORKER_ENV, TRAINCTL_METRICS_PORT=str(metrics_port))
+        serve = procs[0]
+        port = int(stack.url.rsplit(":", 1)[1])
+        with stack.api() as api:
+            run_id = api.post("/runs", json=body).json()["id"]
+            wait_until(
+                lambda: api.get(f"/runs/{run_id}").json()["step"] >= 3, timeout=120, what="step 3"
+            )
+        serve.stop()
+        down_at = time.monotonic()
+        time.sleep(3 * LEASE)  # the worker trains on, deaf to nobody but the service
+        assert counter(metrics_port, "trainctl_worker_reports_spooled") > 0
+        restarted = Proc(
+            ["serve", "--port", str(port)], env=stack.env, log=tmp_path / "serve-2.log"
+        )
+        procs.append(restarted)
+        wait_until(lambda: healthy(stack.url), timeout=60, what="the restarted service")
+        assert time.monotonic() - down_at >= 3 * LEASE
+        with stack.api() as api:
+            run = wait_for_run(api, run_id, timeout=300, procs=[worker, restarted])
+            assert run["status"] == "succeeded", run
+            assert [a["status"] for a in run["attempts"]] == ["succeeded"]
+            assert (run["preemptions"], run["restarts"]) == (0, 0)
+            # Every report spooled while the service was down arrived, each step once.
+            spooled = counter(metrics_port, "trainctl_worker_reports_spooled")
+            assert counter(metrics_port, "trainctl_worker_reports_unspooled") == spooled > 0
+            assert_each_step_once(api, run)
+            assert "granted 1 running leases" in restarted.log.read_text()
+            assert_identical_runs(api, run, reference_run(api, body, worker))
