@@ -1,0 +1,120 @@
+"""The workers the service has heard from: one row per worker process (hostname, pid), kept
+fresh by its claims, its heartbeats and its own pings. A worker is live while it was heard
+from within one lease period: the time after which the service gives up on a silent worker's
+attempt is also the time after which it stops counting the worker as there."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from service.db import insert_for
+from service.models import Attempt, Worker
+from service.schemas import WorkerPublic, WorkersPublic
+
+# What a worker first heard from by a claim or heartbeat (which carry no version) shows
+# until its ping says.
+UNKNOWN_VERSION = "unknown"
+
+
+def note_worker(
+    *,
+    session: Session,
+    hostname: str,
+    pid: int,
+    now: datetime,
+    version: str | None = None,
+    queue: str | None = None,
+    token_id: str | None = None,
+    attempt_id: str | None = None,
+) -> None:
+    """Record that the worker (hostname, pid) was heard from at `now`: inserted the first time,
+    else updated; a field not given keeps what was stored. The caller commits. One statement
+    (INSERT ... ON CONFLICT), so concurrent notes of one worker never collide."""
+    given = {
+        "version": version,
+        "queue": queue,
+        "token_id": token_id,
+        "attempt_id": attempt_id,
+    }
+    changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    insert = insert_for(session, Worker).values(
+        hostname=hostname,
+        pid=pid,
+        first_seen_at=now,
+        last_seen_at=now,
+        **{**changes, "version": version or UNKNOWN_VERSION},
+    )
+    session.execute(
+        insert.on_conflict_do_update(
+            index_elements=[Worker.hostname, Worker.pid],
+            set_={**changes, "last_seen_at": now},
+        )
+    )
+
+
+def note_attempt_worker(*, session: Session, attempt_id: str, now: datetime) -> None:
+    """note_worker for the worker that holds the attempt, as its row names it (claims and
+    heartbeats carry no version or queue). Nothing when the attempt names no worker."""
+    attempt = session.get(Attempt, attempt_id)
+    if attempt is None or attempt.worker_hostname is None or attempt.worker_pid is None:
+        return
+    note_worker(
+        session=session,
+        hostname=attempt.worker_hostname,
+        pid=attempt.worker_pid,
+        now=now,
+        attempt_id=attempt.id,
+    )
+
+
+def _serves(queue: str) -> Any:
+    # A worker heard from only by its claims has no queue yet; it took this service's message.
+    return or_(Worker.queue.is_(None), Worker.queue == queue)
+
+
+def live_worker_seen(*, session: Session, now: datetime, lease_seconds: float, queue: str) -> bool:
+    """Whether a worker of `queue` was heard from within the last lease period."""
+    since = now - timedelta(seconds=lease_seconds)
+    found = session.scalar(
+        select(Worker.id).where(Worker.last_seen_at >= since, _serves(queue)).limit(1)
+    )
+    return found is not None
+
+
+def list_workers(
+    *, session: Session, now: datetime, lease_seconds: float, limit: int
+) -> WorkersPublic:
+    """The `limit` workers heard from most recently, newest first, each with the attempt it
+    is running (None when it runs none), and how many there are in all and live."""
+    since = now - timedelta(seconds=lease_seconds)
+    running = select(Attempt.id, Attempt.run_id).where(Attempt.status == "running").subquery()
+    rows = session.execute(
+        select(Worker, running.c.run_id)
+        .outerjoin(running, running.c.id == Worker.attempt_id)
+        .order_by(Worker.last_seen_at.desc(), Worker.id.desc())
+        .limit(limit)
+    ).all()
+    workers = [
+        WorkerPublic(
+            hostname=worker.hostname,
+            pid=worker.pid,
+            version=worker.version,
+            queue=worker.queue,
+            live=worker.last_seen_at >= since,
+            first_seen_at=worker.first_seen_at,
+            last_seen_at=worker.last_seen_at,
+            attempt_id=worker.attempt_id if run_id is not None else None,
+            run_id=run_id,
+        )
+        for worker, run_id in rows
+    ]
+    count = session.scalar(select(func.count()).select_from(Worker)) or 0
+    live = (
+        session.scalar(select(func.count()).select_from(Worker).where(Worker.last_seen_at >= since))
+        or 0
+    )
+    return WorkersPublic(workers=workers, count=count, live=live)

@@ -1,0 +1,47 @@
+"""`GET /workers` (the workers the service has heard from) and the ping by which a worker
+process says it is there (`POST /internal/workers/ping`, worker tokens only)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from contracts.reports import Accepted, WorkerPing
+from service.deps import SessionDep, SettingsDep, WorkerDep, require_admin
+from service.fleet import list_workers, note_worker
+from service.models import utcnow
+from service.schemas import WorkersPublic
+
+MAX_WORKERS_PAGE = 500
+
+router = APIRouter(prefix="/workers", tags=["workers"], dependencies=[Depends(require_admin)])
+internal_router = APIRouter(prefix="/internal/workers", tags=["internal"])
+
+
+@router.get("")
+def read_workers(
+    session: SessionDep,
+    settings: SettingsDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_WORKERS_PAGE)] = 100,
+) -> WorkersPublic:
+    """Workers heard from most recently first, each `live` when heard from within the lease
+    period, with the attempt it is running. `count` and `live` are over all pages."""
+    return list_workers(
+        session=session, now=utcnow(), lease_seconds=settings.lease_seconds, limit=limit
+    )
+
+
+@internal_router.post("/ping")
+def ping(body: WorkerPing, session: SessionDep, token: WorkerDep) -> Accepted:
+    note_worker(
+        session=session,
+        hostname=body.hostname,
+        pid=body.pid,
+        now=utcnow(),
+        version=body.version,
+        queue=body.queue,
+        token_id=token.id,
+    )
+    session.commit()
+    return Accepted(accepted=1)
