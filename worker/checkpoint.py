@@ -4,6 +4,11 @@ A checkpoint counts only when complete: every part is written into a temporary d
 fsynced, the manifest (SHA-256 and size of every other file) is written last, and the directory
 is renamed into place. Loading verifies the manifest first; nothing is unpickled beyond plain
 tensors and values (`weights_only=True`, safetensors).
+
+Also here: which checkpoint an attempt starts from (`select_resume_checkpoint`: the claim's,
+or an older one when it fails verification and is quarantined) and which ones retention keeps
+(`apply_retention`). The worker reports every quarantine and deletion to the service, whose
+registry follows the disk.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from contracts.reports import Claim
 from worker import failpoint
-from worker.error import CheckpointError
+from worker.error import CheckpointError, SignatureMismatch
 from worker.files import fsync_dir, fsync_file
 from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
 from worker.optim import Optimizers
@@ -83,7 +89,8 @@ def checkpoints_dir(artifact_dir: str | Path) -> Path:
     return Path(artifact_dir) / CHECKPOINTS_DIR
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
+    """The step of a `step-NNNNNNNN` directory; None for any other name."""
     name = path.name
     if not name.startswith(_STEP_PREFIX):
         return None
@@ -95,7 +102,7 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every step directory, newest first; complete or not."""
     if not directory.is_dir():
         return []
-    found = [(step, p) for p in directory.iterdir() if (step := _step_of(p)) is not None]
+    found = [(step, p) for p in directory.iterdir() if (step := step_of(p)) is not None]
     return sorted(found, reverse=True)
 
 
@@ -444,6 +451,113 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     )
 
 
+# --- choosing where an attempt starts ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A checkpoint that failed verification and was renamed aside (`quarantine_checkpoint`),
+    for the service to hear of: it must never be handed out as `resume_from` again."""
+
+    step: int
+    path: Path  # where it was
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where an attempt starts: a verified checkpoint (None: the phase's first step, from the
+    initial weights), and what had to be quarantined on the way to it."""
+
+    checkpoint: LoadedCheckpoint | None
+    quarantined: list[Quarantined]
+
+
+def select_resume_checkpoint(claim: Claim, offsets: list[int]) -> ResumePoint:
+    """The claim's `resume_from`, verified: this run's, and either inside this phase or the
+    previous phase's final checkpoint (`offsets`: each phase's first step - 1). One that fails
+    verification (corrupt, truncated, no manifest) is quarantined and the newest older usable
+    checkpoint of the same directory is used instead. A later phase without one cannot start."""
+    phase_index = claim.phase_index
+    if claim.resume_from is None:
+        if phase_index > 0:
+            raise CheckpointError(
+                f"phase {phase_index} starts from the final checkpoint of phase "
+                f"{phase_index - 1}, but the claim of attempt {claim.attempt_id} names none"
+            )
+        return ResumePoint(checkpoint=None, quarantined=[])
+    path = Path(claim.resume_from.path)
+    try:
+        loaded = load_checkpoint(path)
+    except CheckpointError as err:
+        return _fall_back(path, claim.resume_from.step, err, claim, offsets)
+    state = loaded.state
+    if state.signature != claim.signature:
+        raise SignatureMismatch(
+            f"checkpoint {loaded.path} was written by a run with signature {state.signature}, "
+            f"this run's signature is {claim.signature}"
+        )
+    if not starts_phase(state, phase_index, offsets):
+        offset = offsets[phase_index]
+        raise CheckpointError(
+            f"checkpoint {loaded.path} (phase {state.phase_index}, step {state.step}) cannot "
+            f"start phase {phase_index}, which covers steps {offset + 1}..; expected a "
+            f"checkpoint of this phase or the final one of phase {phase_index - 1} "
+            f"(step {offset})"
+        )
+    return ResumePoint(checkpoint=loaded, quarantined=[])
+
+
+def starts_phase(state: CheckpointState, phase_index: int, offsets: list[int]) -> bool:
+    """A checkpoint inside phase `phase_index`, or the previous phase's final one."""
+    offset = offsets[phase_index]
+    inside = state.phase_index == phase_index and state.step > offset
+    previous_final = state.phase_index == phase_index - 1 and state.step == offset
+    return inside or previous_final
+
+
+def _set_aside(path: Path, step: int, err: CheckpointError) -> Quarantined:
+    moved = quarantine_checkpoint(path)
+    log.warning("checkpoint %s failed verification, quarantined as %s: %s", path, moved, err)
+    where = f"; kept as {moved.name} for inspection" if moved is not None else ""
+    return Quarantined(step=step, path=path, reason=f"failed verification: {err}{where}")
+
+
+def _fall_back(
+    path: Path, step: int, err: CheckpointError, claim: Claim, offsets: list[int]
+) -> ResumePoint:
+    """Quarantine the failed checkpoint `path` (of `step`) and load the newest older one in
+    its directory that verifies, is this run's and can start this phase."""
+    quarantined = [_set_aside(path, step, err)]
+    for older_step, candidate in list_checkpoints(path.parent):
+        if older_step >= step:
+            continue
+        try:
+            loaded = load_checkpoint(candidate)
+        except CheckpointError as older_err:
+            quarantined.append(_set_aside(candidate, older_step, older_err))
+            continue
+        state = loaded.state
+        if state.signature == claim.signature and starts_phase(state, claim.phase_index, offsets):
+            log.warning(
+                "resuming from the older checkpoint %s (step %d) instead of %s (step %d), "
+                "which failed verification",
+                candidate,
+                older_step,
+                path,
+                step,
+            )
+            return ResumePoint(checkpoint=loaded, quarantined=quarantined)
+    usable = "one inside it" + (
+        f", or the final one of phase {claim.phase_index - 1}" if claim.phase_index else ""
+    )
+    raise CheckpointError(
+        f"checkpoint {path} (step {step}) failed verification ({err}) and was quarantined; "
+        f"no older complete checkpoint of this run in {path.parent} can start phase "
+        f"{claim.phase_index} ({usable}); resume the run from an earlier phase or start a new run"
+    )
+
+
 # --- retention ------------------------------------------------------------------------------
 
 
@@ -455,11 +569,11 @@ def apply_retention(
     newest: int | None = None,
 ) -> list[Path]:
     """Delete every checkpoint except the `keep_last` newest and those at `keep_steps` (each
-    phase's final one, which the next phase starts from; the one a resume started from).
-    With `newest` (the step just registered), only checkpoints up to it are ranked or deleted:
-    newer ones are leftovers of an attempt that died before registering them, which this
-    attempt will overwrite, and must not push the ones the service holds out of `keep_last`.
-    Returns what was deleted."""
+    phase's final one, which the next phase starts from; the run's pinned steps, which other
+    runs start from). With `newest` (the step just registered), only checkpoints up to it are
+    ranked or deleted: newer ones are leftovers of an attempt that died before registering
+    them, which this attempt will overwrite, and must not push the ones the service holds out
+    of `keep_last`. Returns what was deleted, for the service to hear of."""
     kept = set(keep_steps)
     deleted = []
     ranked = [(s, p) for s, p in list_checkpoints(directory) if newest is None or s <= newest]

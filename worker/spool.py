@@ -2,10 +2,10 @@
 
 `<TRAINCTL_HOME>/spool/<attempt_id>/` holds one JSON file per report, named by a sequence
 number that only grows (`000000000042.json`), each `{"kind": "metrics" | "evals" |
-"checkpoint" | "finish", "report": <the request body>}`: the body carries its fencing token, so
-a report sent late is still refused if the attempt is no longer its sender's. A file is written
-as `.part`, fsynced and renamed, so a listed file is always whole; it is deleted once the
-service has taken it.
+"checkpoint" | "removal" | "finish", "report": <the request body>}`: the body carries its
+fencing token, so a report sent late is still refused if the attempt is no longer its sender's.
+A file is written as `.part`, fsynced and renamed, so a listed file is always whole; it is
+deleted once the service has taken it.
 
 A live process holds its spool with an exclusive `flock` on `.lock` (released by the kernel when
 the process dies, SIGKILL included), so a process draining leftovers never sends a live
@@ -24,18 +24,19 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from contracts.reports import CheckpointReport, EvalBatch, Finish, MetricBatch
+from contracts.reports import CheckpointRemoval, CheckpointReport, EvalBatch, Finish, MetricBatch
 from worker.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
-Report = MetricBatch | EvalBatch | CheckpointReport | Finish
-Kind = Literal["metrics", "evals", "checkpoint", "finish"]
+Report = MetricBatch | EvalBatch | CheckpointReport | CheckpointRemoval | Finish
+Kind = Literal["metrics", "evals", "checkpoint", "removal", "finish"]
 
 _MODELS: dict[str, type[BaseModel]] = {
     "metrics": MetricBatch,
     "evals": EvalBatch,
     "checkpoint": CheckpointReport,
+    "removal": CheckpointRemoval,
     "finish": Finish,
 }
 _LOCK = ".lock"
@@ -49,6 +50,8 @@ def kind_of(report: Report) -> Kind:
         return "evals"
     if isinstance(report, CheckpointReport):
         return "checkpoint"
+    if isinstance(report, CheckpointRemoval):
+        return "removal"
     return "finish"
 
 
@@ -125,7 +128,9 @@ class Spool:
             report = _MODELS[body["kind"]].model_validate(body["report"])
         except (ValueError, KeyError, TypeError) as err:
             raise SpoolError(f"spooled report {path} does not parse: {err}") from err
-        assert isinstance(report, (MetricBatch, EvalBatch, CheckpointReport, Finish))
+        assert isinstance(
+            report, (MetricBatch, EvalBatch, CheckpointReport, CheckpointRemoval, Finish)
+        )
         return report
 
     def remove(self, path: Path) -> None:

@@ -27,22 +27,20 @@ from worker import failpoint, metrics
 from worker.checkpoint import (
     CheckpointState,
     CheckpointWriter,
-    LoadedCheckpoint,
     apply_retention,
     checkpoints_dir,
-    list_checkpoints,
-    load_checkpoint,
     publish_checkpoint,
-    quarantine_checkpoint,
     remove_stale_temporaries,
+    select_resume_checkpoint,
+    step_of,
 )
 from worker.checkpoint import restore_rng as set_rng_state
 from worker.data import PhaseData, batch_for_step, load_phase_data
-from worker.error import CheckpointError, ConfigError, NonFiniteLoss, SignatureMismatch
+from worker.error import ConfigError, NonFiniteLoss
 from worker.evaluate import evaluate_task, load_eval_data
 from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
 from worker.objective import StepLoss, backward_step
-from worker.optim import build_optimizers
+from worker.optim import Optimizers, build_optimizers
 from worker.reporter import Reporter
 from worker.schedule import lr_multiplier
 
@@ -84,6 +82,122 @@ class _StopOrdered(Exception):
     """The service said stop: leave the loop at once, writing nothing more."""
 
 
+class CheckpointKeeper:
+    """The phase's checkpoints, from save to retirement. Saves run in the background, one at a
+    time: `save` makes the loop wait only for the copy into CPU buffers. A finished save is put
+    in place and registered from the loop's thread (`collect`, `wait`, or `save` finding the
+    previous one done), and only after the service confirmed that this attempt still owns the
+    run (the fencing check): a "stop" met there raises _StopOrdered, a "pause" sets
+    `pause_ordered`. Older checkpoints are deleted only once the service holds the new one,
+    never one the service says another run needs (pinned), and every deletion is reported."""
+
+    def __init__(
+        self,
+        *,
+        writer: CheckpointWriter,
+        reporter: Reporter,
+        model: PreTrainedModel,
+        optimizers: Optimizers,
+        claim: Claim,
+        workflow: Workflow,
+        latest: CheckpointRef | None,
+    ) -> None:
+        offsets = workflow.phase_offsets()
+        self._writer = writer
+        self._reporter = reporter
+        self._model = model
+        self._optimizers = optimizers
+        self._claim = claim
+        self._phase = workflow.phases[claim.phase_index]
+        self._offset = offsets[claim.phase_index]
+        self._directory = checkpoints_dir(claim.artifact_dir)
+        self._keep_last = workflow.checkpoint.keep_last
+        # Each phase's final checkpoint is kept: the next phase starts from it.
+        self._phase_finals = [o + p.steps for o, p in zip(offsets, workflow.phases, strict=True)]
+        self.latest = latest  # the newest registered checkpoint of this phase
+        self.pause_ordered = False  # a fencing check was answered "pause"
+
+    def save(self, step: int, *, tokens_seen: int) -> None:
+        """Start saving the model after update `step`, unless that save is already under way;
+        the previous save is registered first if it finished meanwhile."""
+        if self._writer.last_started == step:
+            return
+        state = CheckpointState(
+            step=step,
+            phase_index=self._claim.phase_index,
+            phase_name=self._phase.name,
+            phase_step=step - self._offset,
+            tokens_seen=tokens_seen,
+            signature=self._claim.signature,
+            attempt_id=self._claim.attempt_id,
+            groups=self._optimizers.group_names(),
+        )
+        saved = self._writer.start(model=self._model, optimizers=self._optimizers, state=state)
+        self._register(saved, done=step)
+
+    def collect(self, done: int) -> None:
+        """Register the save in flight if it has finished; `done`: the last update made."""
+        self._register(self._writer.poll(), done=done)
+
+    def wait(self, done: int) -> None:
+        """Block until the save in flight is on disk, then register it."""
+        self._register(self._writer.wait(), done=done)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def _register(self, saved: tuple[CheckpointState, Path] | None, *, done: int) -> None:
+        if saved is None:
+            return
+        state, tmp = saved
+        # Fencing: a worker that lost its lease (a zombie revived after the reaper gave the
+        # phase to another worker) learns it here, before it renames or deletes anything in
+        # the run's checkpoints. Costs one request per checkpoint. An unreachable service
+        # confirms nothing, but the rename never replaces a step directory and retention waits
+        # for the registration to be taken, so what is written then clobbers no one.
+        action = self._reporter.check(done, now=True)
+        if action == "stop":
+            raise _StopOrdered
+        self.pause_ordered = self.pause_ordered or action == "pause"
+        path = publish_checkpoint(tmp)
+        self.latest = CheckpointRef(
+            path=str(path),
+            step=state.step,
+            phase_index=state.phase_index,
+            phase_step=state.phase_step,
+        )
+        # Registered only once complete on disk. Older checkpoints are deleted only once the
+        # service holds this one: until then, what it would resume from must stay.
+        pinned = self._reporter.checkpoint(self.latest)  # a registration taken is fenced too
+        if pinned is not None:
+            self._retire(newest=state.step, pinned=pinned)
+        metrics.CHECKPOINTS.inc()
+        failpoint.hit("after_checkpoint", state.step)
+        log.info("checkpoint %s (phase %r, step %d)", path, self._phase.name, state.step)
+
+    def _retire(self, *, newest: int, pinned: frozenset[int]) -> None:
+        """Retention, now that the service holds `newest`, and a report of each deletion.
+        Ranked up to `newest` only: unregistered leftovers of a dead attempt at later steps
+        must not push out what the service holds or what this attempt started from.
+
+        `pinned` is what the service answered to this very registration. A run created from
+        one of these checkpoints between that answer and the deletion below is not protected
+        by it: a window of one directory removal. Then the service refuses the deletion report
+        (409 `checkpoint_pinned`, logged here), so the registry still lists the checkpoint, and
+        that run fails its input verification naming the missing directory."""
+        deleted = apply_retention(
+            self._directory,
+            keep_last=self._keep_last,
+            keep_steps=[*self._phase_finals, *pinned],
+            newest=newest,
+        )
+        for path in deleted:
+            step = step_of(path)
+            if step is not None:
+                reason = f"retention: keep_last {self._keep_last}, step {newest} registered"
+                self._reporter.checkpoint_removed(step, "deleted", reason)
+
+
 def train_phase(
     *,
     claim: Claim,
@@ -104,63 +218,63 @@ def train_phase(
     phase = workflow.phases[phase_index]
     offsets = workflow.phase_offsets()
     offset, last = offsets[phase_index], offsets[phase_index] + phase.steps
-    phase_finals = [o + p.steps for o, p in zip(offsets, workflow.phases, strict=True)]
     directory = checkpoints_dir(claim.artifact_dir)
     remove_stale_temporaries(directory)
 
     # Preparation reports nothing for a while (reading and encoding data, loading a
-    # checkpoint): the reporter keeps the lease meanwhile.
-    resume_step = claim.resume_from.step if claim.resume_from is not None else offset
-    with reporter.keepalive(resume_step):
-        configure_determinism(device)
-        tokenizer = load_tokenizer(workflow.tokenizer)
-        data = load_phase_data(phase, tokenizer)
-        # Eval files are read once per phase, at one geometry per task for the whole run, and
-        # before the first step: a bad eval file fails the phase now, not after hours of training.
-        eval_data = [
-            load_eval_data(tokenizer, spec, sequence_length=workflow.eval_sequence_length(spec))
-            for spec in workflow.evals
-        ]
-        source_names = data.names()
+    # checkpoint): the lease keeper holds the lease meanwhile, and each stage done is progress.
+    configure_determinism(device)
+    tokenizer = load_tokenizer(workflow.tokenizer)
+    data = load_phase_data(phase, tokenizer)
+    reporter.progress()
+    # Eval files are read once per phase, at one geometry per task for the whole run, and
+    # before the first step: a bad eval file fails the phase now, not after hours of training.
+    eval_data = [
+        load_eval_data(tokenizer, spec, sequence_length=workflow.eval_sequence_length(spec))
+        for spec in workflow.evals
+    ]
+    source_names = data.names()
+    reporter.progress()
 
-        # Restore order: model, weights, optimizer groups derived by name from the live model,
-        # optimizer state, and the RNG last (nothing after it may draw a random number).
-        model = build_model(workflow, device)
-        _check_vocabulary(model, tokenizer, workflow.tokenizer)
-        torch.manual_seed(phase_seed(workflow.seed, phase_index))
-        resumed = _checkpoint_to_resume(claim, offsets)
-        if resumed is not None:
-            load_weights(model, resumed.path)
-        elif claim.initial_checkpoint is not None:
-            load_weights(model, claim.initial_checkpoint)
-        optimizers = build_optimizers(model, workflow.optimizer)
-        # A checkpoint inside this phase continues it; the previous phase's final one only supplies
-        # weights (fresh optimizers, the phase's own seed).
-        inside = (
-            resumed if resumed is not None and resumed.state.phase_index == phase_index else None
+    # Restore order: model, weights, optimizer groups derived by name from the live model,
+    # optimizer state, and the RNG last (nothing after it may draw a random number).
+    model = build_model(workflow, device)
+    _check_vocabulary(model, tokenizer, workflow.tokenizer)
+    torch.manual_seed(phase_seed(workflow.seed, phase_index))
+    start_point = select_resume_checkpoint(claim, offsets)
+    resumed = start_point.checkpoint
+    if resumed is not None:
+        load_weights(model, resumed.path)
+    elif claim.initial_checkpoint is not None:
+        load_weights(model, claim.initial_checkpoint)
+    optimizers = build_optimizers(model, workflow.optimizer)
+    # A checkpoint inside this phase continues it; the previous phase's final one only supplies
+    # weights (fresh optimizers, the phase's own seed).
+    inside = resumed if resumed is not None and resumed.state.phase_index == phase_index else None
+    if inside is not None:
+        optimizers.load_state_dict(inside.optimizer)
+        if restore_rng:
+            set_rng_state(inside.rng)
+        else:
+            log.warning("not restoring the RNG (TRAINCTL_RESTORE_RNG=false): inexact resume")
+    start = inside.state.step if inside is not None else offset
+    tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
+    resumed_from = None
+    if resumed is not None:
+        resumed_from = CheckpointRef(
+            path=str(resumed.path),
+            step=resumed.state.step,
+            phase_index=resumed.state.phase_index,
+            phase_step=resumed.state.phase_step,
         )
-        if inside is not None:
-            optimizers.load_state_dict(inside.optimizer)
-            if restore_rng:
-                set_rng_state(inside.rng)
-            else:
-                log.warning("not restoring the RNG (TRAINCTL_RESTORE_RNG=false): inexact resume")
-        start = inside.state.step if inside is not None else offset
-        tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
-        resumed_from = None
-        if resumed is not None:
-            resumed_from = CheckpointRef(
-                path=str(resumed.path),
-                step=resumed.state.step,
-                phase_index=resumed.state.phase_index,
-                phase_step=resumed.state.phase_step,
-            )
-            log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
-        latest = resumed_from if inside is not None else None
+        log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
+    for quarantined in start_point.quarantined:  # never to be handed out again
+        reporter.checkpoint_removed(quarantined.step, "quarantined", quarantined.reason)
 
     def evaluate(step: int, due: list[int]) -> list[EvalResult]:
-        with reporter.keepalive(step):  # an eval reports nothing until it ends
-            return [
+        results = []
+        for i in due:  # an eval reports nothing until it ends: each set done is progress
+            results.append(
                 evaluate_task(
                     model,
                     eval_data[i],
@@ -168,64 +282,20 @@ def train_phase(
                     step=step,
                     phase=phase.name,
                 )
-                for i in due
-            ]
-
-    # Checkpoints are saved in the background: the loop waits only for the copy into CPU
-    # buffers; a save is put in place and registered (and retention applied) from this thread
-    # once on disk, and only after the service confirmed this attempt is still its owner.
-    writer = CheckpointWriter(directory=directory, tokenizer=tokenizer)
-    done = start  # the last step whose update was made
-    pause_ordered = False
-
-    def checkpoint(step: int) -> CheckpointRef | None:
-        """Start saving `step`; returns the previous save's registration if it was pending."""
-        state = CheckpointState(
-            step=step,
-            phase_index=phase_index,
-            phase_name=phase.name,
-            phase_step=step - offset,
-            tokens_seen=tokens_seen,
-            signature=claim.signature,
-            attempt_id=claim.attempt_id,
-            groups=optimizers.group_names(),
-        )
-        return register(writer.start(model=model, optimizers=optimizers, state=state))
-
-    def register(saved: tuple[CheckpointState, Path] | None) -> CheckpointRef | None:
-        nonlocal pause_ordered
-        if saved is None:
-            return None
-        state, tmp = saved
-        # Fencing: a worker that lost its lease (a zombie revived after the reaper gave the
-        # phase to another worker) learns it here, before it renames or deletes anything in
-        # the run's checkpoints. Costs one request per checkpoint. An unreachable service
-        # confirms nothing, but the rename never replaces a step directory and retention waits
-        # for the registration to be taken, so what is written then clobbers no one.
-        action = reporter.check(done, now=True)
-        if action == "stop":
-            raise _StopOrdered
-        pause_ordered = pause_ordered or action == "pause"
-        path = publish_checkpoint(tmp)
-        ref = CheckpointRef(
-            path=str(path), step=state.step, phase_index=phase_index, phase_step=state.phase_step
-        )
-        # Registered only once complete on disk. Older checkpoints are deleted only once the
-        # service holds this one: until then, what it would resume from must stay.
-        if reporter.checkpoint(ref):  # a registration taken is itself fenced
-            # Ranked up to this step only: unregistered leftovers of a dead attempt at later
-            # steps must not push out what the service holds or what this attempt started from.
-            apply_retention(
-                directory,
-                keep_last=workflow.checkpoint.keep_last,
-                keep_steps=phase_finals,
-                newest=state.step,
             )
-        metrics.CHECKPOINTS.inc()
-        failpoint.hit("after_checkpoint", state.step)
-        log.info("checkpoint %s (phase %r, step %d)", path, phase.name, state.step)
-        return ref
+            reporter.progress()
+        return results
 
+    keeper = CheckpointKeeper(
+        writer=CheckpointWriter(directory=directory, tokenizer=tokenizer),
+        reporter=reporter,
+        model=model,
+        optimizers=optimizers,
+        claim=claim,
+        workflow=workflow,
+        latest=resumed_from if inside is not None else None,
+    )
+    done = start  # the last step whose update was made
     try:
         if start == 0 and workflow.evals:
             reporter.evals(evaluate(0, list(range(len(workflow.evals)))))
@@ -273,7 +343,7 @@ def train_phase(
             ).tolist()
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
                 raise NonFiniteLoss(
-                    _non_finite_message(loss_value, norm_value, step, phase, latest)
+                    _non_finite_message(loss_value, norm_value, step, phase, keeper.latest)
                 )
             if step == start + 1 and inside is not None:
                 optimizers.step_checking_coverage()  # copies every parameter, this step only
@@ -303,9 +373,9 @@ def train_phase(
             # --- eval and checkpoint, as decided above
             if due_evals:
                 reporter.evals(evaluate(step, due_evals))
-            latest = register(writer.poll()) or latest  # a background save that finished
+            keeper.collect(step)  # a background save that finished
             if checkpoint_due:
-                latest = checkpoint(step) or latest
+                keeper.save(step, tokens_seen=tokens_seen)
 
             # --- stop check: the service's orders, then a preemption notice
             if step == last:
@@ -313,22 +383,20 @@ def train_phase(
             action = reporter.check(step)
             if action == "stop":
                 raise _StopOrdered
-            pause_ordered = pause_ordered or action == "pause"
             preempted = stop_requested()
-            if pause_ordered or preempted:
-                if writer.last_started != step:
-                    latest = checkpoint(step) or latest
-                latest = register(writer.wait()) or latest
+            if action == "pause" or keeper.pause_ordered or preempted:
+                keeper.save(step, tokens_seen=tokens_seen)  # unless already under way
+                keeper.wait(step)
                 return PhaseOutcome(
                     status="preempted" if preempted else "paused",
                     step=step,
-                    checkpoint=latest,
+                    checkpoint=keeper.latest,
                     resumed_from=resumed_from,
                 )
 
-        latest = register(writer.wait()) or latest
+        keeper.wait(last)
         return PhaseOutcome(
-            status="succeeded", step=last, checkpoint=latest, resumed_from=resumed_from
+            status="succeeded", step=last, checkpoint=keeper.latest, resumed_from=resumed_from
         )
     except _StopOrdered:
         log.info("the service says stop at step %d; stopping without writing", done)
@@ -336,7 +404,7 @@ def train_phase(
     finally:
         # After a failure or a stop: a save in flight finishes its temporary directory, which
         # is never put in place or registered.
-        writer.close()
+        keeper.close()
 
 
 def _source_metrics(
@@ -360,94 +428,6 @@ def _source_metrics(
     for i, name in enumerate(names):
         out[f"token_share/{name}"] = float(shares[i])
     return out
-
-
-def _checkpoint_to_resume(claim: Claim, offsets: list[int]) -> LoadedCheckpoint | None:
-    """The claim's `resume_from`, verified: this run's, and either inside this phase or the
-    previous phase's final checkpoint. One that fails verification (corrupt, truncated, no
-    manifest) is quarantined and the newest older usable checkpoint of the same directory is
-    used instead. A later phase without one cannot start."""
-    phase_index = claim.phase_index
-    if claim.resume_from is None:
-        if phase_index > 0:
-            raise CheckpointError(
-                f"phase {phase_index} starts from the final checkpoint of phase "
-                f"{phase_index - 1}, but the claim of attempt {claim.attempt_id} names none"
-            )
-        return None
-    path = Path(claim.resume_from.path)
-    try:
-        loaded = load_checkpoint(path)
-    except CheckpointError as err:
-        return _fall_back(path, claim.resume_from.step, err, claim, offsets)
-    state = loaded.state
-    if state.signature != claim.signature:
-        raise SignatureMismatch(
-            f"checkpoint {loaded.path} was written by a run with signature {state.signature}, "
-            f"this run's signature is {claim.signature}"
-        )
-    if not _starts_phase(state, phase_index, offsets):
-        offset = offsets[phase_index]
-        raise CheckpointError(
-            f"checkpoint {loaded.path} (phase {state.phase_index}, step {state.step}) cannot "
-            f"start phase {phase_index}, which covers steps {offset + 1}..; expected a "
-            f"checkpoint of this phase or the final one of phase {phase_index - 1} "
-            f"(step {offset})"
-        )
-    return loaded
-
-
-def _starts_phase(state: CheckpointState, phase_index: int, offsets: list[int]) -> bool:
-    """A checkpoint inside phase `phase_index`, or the previous phase's final one."""
-    offset = offsets[phase_index]
-    inside = state.phase_index == phase_index and state.step > offset
-    previous_final = state.phase_index == phase_index - 1 and state.step == offset
-    return inside or previous_final
-
-
-def _fall_back(
-    path: Path, step: int, err: CheckpointError, claim: Claim, offsets: list[int]
-) -> LoadedCheckpoint:
-    """Quarantine the failed checkpoint `path` (of `step`) and load the newest older one in
-    its directory that verifies, is this run's and can start this phase."""
-    log.warning(
-        "checkpoint %s failed verification, quarantined as %s: %s",
-        path,
-        quarantine_checkpoint(path),
-        err,
-    )
-    for older_step, candidate in list_checkpoints(path.parent):
-        if older_step >= step:
-            continue
-        try:
-            loaded = load_checkpoint(candidate)
-        except CheckpointError as older_err:
-            log.warning(
-                "checkpoint %s failed verification, quarantined as %s: %s",
-                candidate,
-                quarantine_checkpoint(candidate),
-                older_err,
-            )
-            continue
-        state = loaded.state
-        if state.signature == claim.signature and _starts_phase(state, claim.phase_index, offsets):
-            log.warning(
-                "resuming from the older checkpoint %s (step %d) instead of %s (step %d), "
-                "which failed verification",
-                candidate,
-                older_step,
-                path,
-                step,
-            )
-            return loaded
-    usable = "one inside it" + (
-        f", or the final one of phase {claim.phase_index - 1}" if claim.phase_index else ""
-    )
-    raise CheckpointError(
-        f"checkpoint {path} (step {step}) failed verification ({err}) and was quarantined; "
-        f"no older complete checkpoint of this run in {path.parent} can start phase "
-        f"{claim.phase_index} ({usable}); resume the run from an earlier phase or start a new run"
-    )
 
 
 def _check_vocabulary(model: PreTrainedModel, tokenizer: Tokenizer, path: str) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from contracts.reports import CheckpointRef, Claim, EvalResult
+from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import Digests, sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
 from worker.checkpoint import verify_checkpoint
@@ -209,7 +208,7 @@ def make_claim(tmp_path: Path) -> Callable[..., Claim]:
             attempt_id="attempt-1",
             run_id="run-1",
             attempt_number=1,
-            fencing_token=7,
+            fencing_token="claim-secret-7",
             lease_seconds=60.0,
             workflow=workflow.normalized(),
             signature=signature,
@@ -228,15 +227,23 @@ class RecordingReporter:
     """Records what the trainer would post to the service. A checkpoint is verified at the
     moment it is reported: the service must only ever hear of complete checkpoints."""
 
-    def __init__(self, stop_at: int | None = None, pause_at: int | None = None) -> None:
+    def __init__(
+        self,
+        stop_at: int | None = None,
+        pause_at: int | None = None,
+        pinned: Sequence[int] = (),
+    ) -> None:
         self.stop_at = stop_at
         self.pause_at = pause_at
+        self.pinned = frozenset(pinned)  # what every registration's answer says is pinned
         self.metrics_by_step: dict[int, dict[str, float]] = {}
         self.eval_results: list[EvalResult] = []
         self.checkpoints: list[CheckpointRef] = []
+        self.removals: list[tuple[int, str, str]] = []  # (step, status, reason)
+        # Units of work that report nothing else (preparation stages, eval sets): what the
+        # lease keeper's heartbeats show the service to judge a stall.
+        self.progress_calls = 0
         self.checks: list[tuple[int, bool]] = []  # (step, now): now is a fencing check
-        # (step, what the trainer did inside): preparation and evals keep the lease this way.
-        self.keepalives: list[int] = []
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         assert step not in self.metrics_by_step, f"metrics of step {step} reported twice"
@@ -245,15 +252,16 @@ class RecordingReporter:
     def evals(self, results: Sequence[EvalResult]) -> None:
         self.eval_results.extend(results)
 
-    def checkpoint(self, ref: CheckpointRef) -> bool:
+    def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
         verify_checkpoint(Path(ref.path))
         self.checkpoints.append(ref)
-        return True
+        return self.pinned
 
-    @contextmanager
-    def keepalive(self, step: int) -> Iterator[None]:
-        self.keepalives.append(step)
-        yield
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
+        self.removals.append((step, status, reason))
+
+    def progress(self) -> None:
+        self.progress_calls += 1
 
     def check(self, step: int, *, now: bool = False) -> Action:
         self.checks.append((step, now))

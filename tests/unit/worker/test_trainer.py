@@ -246,8 +246,9 @@ def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
     assert [c.phase_step for c in reporter.checkpoints] == [2, 5, 7]
     # Phase 1's evals: at its last step only (no baseline outside the first phase).
     assert [(r.step, r.phase) for r in reporter.eval_results] == [(11, "sft")]
-    # The lease is kept while nothing is reported: preparing from step 4, evaluating at 11.
-    assert reporter.keepalives == [4, 11]
+    # Work that reports nothing else still moves the progress a stall is judged by: the two
+    # preparation stages (the phase's data, the eval sets) and the one eval set at step 11.
+    assert reporter.progress_calls == 3
     base_lr = workflow.optimizer.adamw_lr * 0.5
     assert reporter.metrics_by_step[5]["lr"] == pytest.approx(
         base_lr * lr_multiplier(1, total_steps=7, schedule=workflow.phases[1].schedule)
@@ -541,9 +542,9 @@ def test_retention_keeps_the_resume_checkpoint_until_a_newer_one_is_registered(
     on_disk_at_registration: dict[int, list[int]] = {}
 
     class Recording(type(first)):  # type: ignore[misc]
-        def checkpoint(self, ref: CheckpointRef) -> bool:
+        def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
             on_disk_at_registration[ref.step] = [s for s, _ in list_checkpoints(directory)]
-            return bool(super().checkpoint(ref))
+            return super().checkpoint(ref)  # type: ignore[no-any-return]
 
     outcome = run(make_claim(workflow, resume_from=start), workflow, Recording())
     assert outcome.resumed_from is not None and outcome.resumed_from.step == 4
@@ -551,3 +552,56 @@ def test_retention_keeps_the_resume_checkpoint_until_a_newer_one_is_registered(
     # when 8 is: the leftovers 7 and 8 did not count as "newest".
     assert on_disk_at_registration == {6: [8, 7, 6, 4, 2], 8: [8, 7, 6, 4]}
     assert [s for s, _ in list_checkpoints(directory)] == [8, 7]
+
+
+def test_retention_keeps_pinned_checkpoints_and_reports_each_deletion(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [pretrain_phase(make_text_file(), steps=10)],
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    # Another run starts from step 2: every registration's answer says it is pinned.
+    reporter = make_reporter(pinned=[2])
+    run(make_claim(workflow, artifact_dir=tmp_path / "run"), workflow, reporter)
+
+    directory = checkpoints_dir(tmp_path / "run")
+    assert [s for s, _ in list_checkpoints(directory)] == [10, 8, 2]
+    assert [(step, status) for step, status, _ in reporter.removals] == [
+        (4, "deleted"),
+        (6, "deleted"),
+    ]
+    assert "keep_last 2" in reporter.removals[0][2]
+
+
+def test_a_quarantined_resume_checkpoint_is_reported_with_why(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [pretrain_phase(make_text_file(), steps=6)],
+        checkpoint={"every_steps": 2, "keep_last": 5},
+    )
+    first = make_reporter()
+    claim = make_claim(workflow, artifact_dir=tmp_path / "run")
+    run(claim, workflow, first, stop_requested=lambda: 4 in first.metrics_by_step)
+    newest = first.checkpoints[-1]
+    assert newest.step == 4
+    _flip_a_byte(Path(newest.path))
+
+    reporter = make_reporter()
+    resumed = make_claim(workflow, artifact_dir=tmp_path / "run", resume_from=newest)
+    outcome = run(resumed, workflow, reporter)
+
+    assert outcome.resumed_from is not None and outcome.resumed_from.step == 2
+    [(step, status, reason)] = reporter.removals
+    assert (step, status) == (4, "quarantined")
+    assert f"{OPTIMIZER} has SHA-256" in reason
+    assert "kept as step-00000004.corrupt-" in reason
