@@ -3,15 +3,25 @@ the truth, and the claim decides who works on what."""
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import threading
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any
 
+import httpx
 from celery import Celery
-from celery.signals import setup_logging
+from celery.signals import setup_logging, worker_ready, worker_shutdown
 
+from contracts.reports import WorkerPing
 from runtime.broker import broker_options
 from runtime.logs import configure_logging
 from worker.settings import WorkerSettings, get_settings
+
+log = logging.getLogger(__name__)
 
 # Redis redelivers a message not acknowledged within this time to another worker. Messages
 # are acknowledged when the task ends (acks_late) and a phase may train for hours, so it is
@@ -63,6 +73,58 @@ app = WorkerApp(get_settings())
 def _setup_logging(**_: Any) -> None:
     # Connected, so Celery leaves the root logger to us: one format for every line.
     configure_logging(app.settings.log_format, app.settings.log_level)
+
+
+def worker_version() -> str:
+    try:
+        return package_version("trainctl")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+def ping_service(settings: WorkerSettings, stopped: threading.Event) -> None:
+    """POST /internal/workers/ping now and every `heartbeat_seconds` until `stopped`, so the
+    service lists this worker (GET /workers) and knows a queued run has someone to take it,
+    even while no attempt runs here. A failed ping is logged when pinging starts failing and
+    when it works again, and is otherwise harmless: the next one says the same."""
+    ping = WorkerPing(
+        hostname=socket.gethostname(),
+        # The claiming process: the solo pool trains in this one (start_worker).
+        pid=os.getpid(),
+        version=worker_version(),
+        queue=settings.queue,
+    )
+    headers = {"Authorization": f"Bearer {settings.worker_token}"}
+    failing = False
+    with httpx.Client(base_url=settings.api_url, headers=headers, timeout=5.0) as http:
+        while True:
+            try:
+                http.post("/internal/workers/ping", json=ping.model_dump()).raise_for_status()
+                if failing:
+                    log.info("ping to %s works again", settings.api_url)
+                failing = False
+            except httpx.HTTPError as err:
+                if not failing:
+                    log.warning("ping to %s failed (%s); retrying quietly", settings.api_url, err)
+                failing = True
+            if stopped.wait(settings.heartbeat_seconds):
+                return
+
+
+_stop_pinging = threading.Event()
+
+
+@worker_ready.connect
+def _start_pinging(**_: Any) -> None:
+    # Ready: connected to the broker and consuming, so able to take a queued run.
+    threading.Thread(
+        target=ping_service, args=(app.settings, _stop_pinging), name="ping", daemon=True
+    ).start()
+
+
+@worker_shutdown.connect
+def _end_pinging(**_: Any) -> None:
+    _stop_pinging.set()
 
 
 def start_worker(settings: WorkerSettings, extra_args: Sequence[str] = ()) -> None:
