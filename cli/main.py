@@ -32,6 +32,10 @@ from cli.tools import data_app, eval_checkpoint, plan_table
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEMO_WORKFLOW = EXAMPLES / "workflows" / "demo.json"
+WAITING_FOR_WORKER = (
+    "waiting for a worker: none was heard from within the lease period; start one "
+    "(`trainctl worker`) and check `trainctl workers`"
+)
 
 app = typer.Typer(help="Run and watch multi-phase LLM training workflows.", no_args_is_help=True)
 runs_app = typer.Typer(help="Create, list and inspect runs.", no_args_is_help=True)
@@ -88,11 +92,14 @@ def up(
     workers: Annotated[int, typer.Option(min=0, help="Worker processes to start.")] = 1,
 ) -> None:
     """Run the embedded stack: the API on SQLite plus worker processes over a broker folder.
+    A worker that exits is started again (after 1 s, doubling up to 60 s while it keeps
+    exiting); each restart is logged and counted in /metrics (trainctl_worker_restarts).
 
     The first start writes an admin token to $TRAINCTL_HOME/token (mode 0600)."""
     import uvicorn
+    from prometheus_client import Counter
 
-    from cli.stack import spawn, stop
+    from cli.stack import Supervisor, spawn, stop
     from runtime.logs import configure_logging
     from service.app import create_app
     from service.auth import ensure_tokens
@@ -113,22 +120,31 @@ def up(
     }
     logs = settings.home / "logs"
     logs.mkdir(exist_ok=True)
-    procs = [spawn(["worker"], env=env, log=logs / f"worker-{i}.log") for i in range(workers)]
-    err_console.print(
-        f"trainctl up: API {settings.api_url}, {workers} worker(s), home {settings.home}, "
-        f"token in {settings.home / 'token'}"
+    api = create_app(settings)
+    restarts = Counter(
+        "trainctl_worker_restarts",
+        "Worker processes `trainctl up` started again after they exited.",
+        registry=api.state.observability.registry,
     )
     # uvicorn handles SIGTERM itself, then raises it again once shut down, which by default
     # kills this process before the workers (in their own sessions) are stopped. A handler
     # that exits instead lets the `finally` below stop them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    supervisor = Supervisor(
+        lambda i: spawn(["worker"], env=env, log=logs / f"worker-{i}.log"),
+        workers,
+        stop_child=stop,
+        on_restart=restarts.inc,
+    )
     try:
-        uvicorn.run(
-            create_app(settings), host=host, port=port, log_config=None, log_level="warning"
+        supervisor.watch()
+        err_console.print(
+            f"trainctl up: API {settings.api_url}, {workers} worker(s), home {settings.home}, "
+            f"token in {settings.home / 'token'}"
         )
+        uvicorn.run(api, host=host, port=port, log_config=None, log_level="warning")
     finally:
-        for proc in procs:
-            stop(proc)
+        supervisor.close()
 
 
 @app.command()
@@ -289,7 +305,7 @@ def runs_list(as_json: JsonOpt = False) -> None:
         table.add_row(
             run["id"],
             run.get("name") or "",
-            run["status"],
+            run["status"] + (" (no worker)" if run.get("waiting_for_worker") else ""),
             run.get("phase") or "",
             f"{run['step']}/{run['total_steps']}",
             str(run.get("restarts", 0) + run.get("preemptions", 0)),
@@ -307,6 +323,8 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
         return
     cause = f" ({run['cause']}: {run.get('message')})" if run.get("cause") else ""
     console.print(f"[bold]{run['id']}[/bold] {run['status']}{cause}")
+    if run.get("waiting_for_worker"):
+        console.print(f"[yellow]{WAITING_FOR_WORKER}[/yellow]")
     console.print(f"phase {run.get('phase')}  step {run['step']}/{run['total_steps']}")
     ckpt = run.get("latest_checkpoint")
     console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")
@@ -366,6 +384,39 @@ def runs_eval(
         print(json.dumps(answer, indent=2))
     else:
         console.print(eval_table(answer))
+
+
+# --- workers ------------------------------------------------------------------------------
+
+
+@app.command("workers")
+def workers_list(as_json: JsonOpt = False) -> None:
+    """List the workers the service has heard from, most recent first; a worker is live when
+    it was heard from within the lease period."""
+    from datetime import UTC, datetime
+
+    answer = call("GET", "/workers")
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return
+    now = datetime.now(UTC)
+    table = Table()
+    for column in ("hostname", "pid", "version", "queue", "live", "last seen", "running"):
+        table.add_column(column)
+    for w in answer["workers"]:
+        seen = (now - datetime.fromisoformat(w["last_seen_at"])).total_seconds()
+        running = f"{w['run_id']} ({w['attempt_id']})" if w.get("run_id") else "-"
+        table.add_row(
+            w["hostname"],
+            str(w["pid"]),
+            w["version"],
+            w.get("queue") or "-",
+            "yes" if w["live"] else "no",
+            f"{max(seen, 0):.0f} s ago",
+            running,
+        )
+    console.print(table)
+    console.print(f"{answer['live']} live of {answer['count']} worker(s) heard from")
 
 
 def main() -> None:  # pragma: no cover - the console script entry point

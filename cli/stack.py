@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 # Seconds a worker gets to checkpoint and exit after SIGTERM before it is killed.
 WORKER_STOP_SECONDS = 30.0
@@ -99,3 +105,150 @@ def wait_healthy(url: str, *, timeout: float, process: subprocess.Popen | None =
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} did not become healthy within {timeout:.0f} s")
+
+
+class Child(Protocol):
+    """What a Supervisor needs of a process (subprocess.Popen has it)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
+def describe_exit(code: int) -> str:
+    """`exit code 3`, or `signal SIGKILL` for a child a signal ended (Popen's negative codes)."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The pause before restarting a child that exited: `first` seconds, doubling with each
+    exit in a row up to `cap`; a child that lived `healthy_after` seconds starts the count
+    over (a worker that crashes at once does not spin; one that ran for hours is back in a
+    second)."""
+
+    first: float = 1.0
+    cap: float = 60.0
+    healthy_after: float = 60.0
+
+    def delay(self, exits_in_a_row: int) -> float:
+        return min(self.cap, self.first * 2 ** (exits_in_a_row - 1))
+
+
+C = TypeVar("C", bound=Child)
+
+
+@dataclass
+class _Slot(Generic[C]):
+    index: int
+    child: C
+    started_at: float
+    exits_in_a_row: int = 0
+    restart_at: float | None = None  # set while the child is dead and waits for its restart
+
+
+class Supervisor(Generic[C]):
+    """Keeps `count` children running, as a process supervisor would: a child that exits, by
+    itself or killed, is started again after `backoff`; each exit is logged with its exit code
+    or signal, each restart counted (`restarts`, `on_restart`). close() stops the children and
+    no restart happens after it. `poll` is one pass at the clock's time; `watch` runs passes
+    from a thread. `start_child(index)` starts the child of a slot."""
+
+    def __init__(
+        self,
+        start_child: Callable[[int], C],
+        count: int,
+        *,
+        stop_child: Callable[[C], None],
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_restart: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._start_child, self._stop_child = start_child, stop_child
+        self.backoff = backoff or Backoff()
+        self._clock, self._on_restart = clock, on_restart
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        now = clock()
+        self._slots = [_Slot(i, start_child(i), started_at=now) for i in range(count)]
+        self.restarts = 0
+
+    @property
+    def children(self) -> list[C]:
+        return [slot.child for slot in self._slots]
+
+    def poll(self) -> None:
+        """Notice children that exited and restart those whose pause is over."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            now = self._clock()
+            for slot in self._slots:
+                if slot.restart_at is None:
+                    self._notice_exit(slot, now)
+                elif now >= slot.restart_at:
+                    self._restart(slot, now)
+
+    def _notice_exit(self, slot: _Slot[C], now: float) -> None:
+        code = slot.child.poll()
+        if code is None:
+            return
+        lived = now - slot.started_at
+        slot.exits_in_a_row = 1 if lived >= self.backoff.healthy_after else slot.exits_in_a_row + 1
+        delay = self.backoff.delay(slot.exits_in_a_row)
+        slot.restart_at = now + delay
+        log.warning(
+            "worker %d (pid %d) exited with %s after %.1f s; restarting it in %.1f s",
+            slot.index,
+            slot.child.pid,
+            describe_exit(code),
+            lived,
+            delay,
+        )
+
+    def _restart(self, slot: _Slot[C], now: float) -> None:
+        try:
+            child = self._start_child(slot.index)
+        except OSError as err:  # e.g. out of processes or memory: try again later
+            slot.exits_in_a_row += 1
+            delay = self.backoff.delay(slot.exits_in_a_row)
+            slot.restart_at = now + delay
+            log.error(
+                "worker %d could not be started (%s); next try in %.1f s", slot.index, err, delay
+            )
+            return
+        slot.child, slot.started_at, slot.restart_at = child, now, None
+        self.restarts += 1
+        self._on_restart()
+        log.warning(
+            "worker %d restarted as pid %d (%d restart(s) so far)",
+            slot.index,
+            slot.child.pid,
+            self.restarts,
+        )
+
+    def watch(self, interval: float = 0.5) -> None:
+        """Poll every `interval` seconds from a daemon thread until close()."""
+
+        def loop() -> None:
+            while not self._closed.wait(interval):
+                self.poll()
+
+        self._thread = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop restarting, then stop every child (stop_child: SIGTERM, then SIGKILL)."""
+        with self._lock:
+            self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+        for slot in self._slots:
+            self._stop_child(slot.child)
