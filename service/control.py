@@ -13,7 +13,14 @@ from sqlalchemy.orm import Session
 from service.db import rowcount
 from service.errors import ApiError
 from service.lease import expire_attempt, lease_expired
-from service.lifecycle import FINISHED_RUN, lock_current_attempt
+from service.lifecycle import (
+    FINISHED_RUN,
+    AttemptStatus,
+    RunStatus,
+    attempt_sources,
+    lock_current_attempt,
+    run_sources,
+)
 from service.models import Attempt, Run, utcnow
 from service.run import get_run
 
@@ -40,20 +47,24 @@ def _supersede(session: Session, attempt: Attempt, why: str) -> None:
     """Conditional: an attempt that finished meanwhile keeps its own ending."""
     session.execute(
         update(Attempt)
-        .where(Attempt.id == attempt.id, Attempt.status.in_(("queued", "running")))
-        .values(status="superseded", finished_at=utcnow(), message=why)
+        .where(
+            Attempt.id == attempt.id,
+            Attempt.status.in_(attempt_sources(AttemptStatus.SUPERSEDED)),
+        )
+        .values(status=AttemptStatus.SUPERSEDED.value, finished_at=utcnow(), message=why)
     )
 
 
-def _set_run_unless_finished(session: Session, run: Run, **values: object) -> bool:
-    """Change the run only while it is not finished, as one conditional UPDATE: the row locks
-    that guard this on Postgres do not exist on SQLite, where a finish committing between our
-    read and our write would otherwise be overwritten."""
+def _move_run_unless_finished(session: Session, run: Run, to: RunStatus, **values: object) -> bool:
+    """Move the run to `to` only from a status the lifecycle allows it from (never from a
+    finished one), as one conditional UPDATE: the row locks that guard this on Postgres do not
+    exist on SQLite, where a finish committing between our read and our write would otherwise
+    be overwritten."""
     won = rowcount(
         session.execute(
             update(Run)
-            .where(Run.id == run.id, Run.status.not_in(FINISHED_RUN))
-            .values(updated_at=utcnow(), **values)
+            .where(Run.id == run.id, Run.status.in_(run_sources(to)))
+            .values(status=to.value, updated_at=utcnow(), **values)
         )
     )
     return won == 1
@@ -68,28 +79,32 @@ def pause_run(*, session: Session, run_id: str) -> Run:
     if run.status in FINISHED_RUN:
         session.rollback()
         raise _run_finished(run, "paused")
-    if run.status == "paused" or run.pause_requested_at is not None:
+    if run.status == RunStatus.PAUSED or run.pause_requested_at is not None:
         session.rollback()
         return run
     now = utcnow()
-    if current is not None and current.status == "running" and lease_expired(current, now):
+    if (
+        current is not None
+        and current.status == AttemptStatus.RUNNING
+        and lease_expired(current, now)
+    ):
         # Its worker is gone: nothing will answer a pause request.
         expire_attempt(session=session, attempt=current, now=now)
-    if current is not None and current.status == "running":
+    if current is not None and current.status == AttemptStatus.RUNNING:
         run.pause_requested_at = now
         run.message = (
             f"pause requested: attempt {current.number} on {current.worker_hostname} (pid "
             f"{current.worker_pid}) checkpoints and stops at its next heartbeat"
         )
     else:
-        if current is not None and current.status == "queued":
+        if current is not None and current.status == AttemptStatus.QUEUED:
             _supersede(
                 session, current, "superseded: the run was paused before a worker claimed it"
             )
-        if not _set_run_unless_finished(
+        if not _move_run_unless_finished(
             session,
             run,
-            status="paused",
+            RunStatus.PAUSED,
             message="paused; resume continues from the latest checkpoint",
         ):
             session.rollback()
@@ -104,18 +119,18 @@ def cancel_run(*, session: Session, run_id: str) -> Run:
     `superseded` (its worker's next heartbeat answers `stop`; its reports are refused).
     Repeating it changes nothing. 409 `run_finished` for a succeeded or failed run. Commits."""
     run, current = _lock(session, run_id)
-    if run.status == "cancelled":
+    if run.status == RunStatus.CANCELLED:
         session.rollback()
         return run
     if run.status in FINISHED_RUN:
         session.rollback()
         raise _run_finished(run, "cancelled")
-    if current is not None and current.status in ("queued", "running"):
+    if current is not None and current.status in (AttemptStatus.QUEUED, AttemptStatus.RUNNING):
         _supersede(session, current, "superseded: the run was cancelled")
-    if not _set_run_unless_finished(
+    if not _move_run_unless_finished(
         session,
         run,
-        status="cancelled",
+        RunStatus.CANCELLED,
         finished_at=utcnow(),
         pause_requested_at=None,
         message="cancelled by request",

@@ -39,6 +39,7 @@ from service.lifecycle import (
     AttemptStatus,
     RunStatus,
     attempt_sources,
+    end_attempt,
     is_current,
     is_finished,
     move_run,
@@ -282,8 +283,9 @@ def claim_attempt(
     run = session.get(Run, attempt.run_id, with_for_update=True)
     assert run is not None
     if is_finished(run) or run.status == RunStatus.PAUSED or run.pause_requested_at is not None:
-        attempt.status = AttemptStatus.SUPERSEDED.value
-        attempt.finished_at = now
+        end_attempt(
+            attempt, AttemptStatus.SUPERSEDED, now=now, message="superseded: the run is paused"
+        )
         if not is_finished(run):
             move_run(run, RunStatus.PAUSED, now=now)
         session.commit()

@@ -140,6 +140,25 @@ def move_run(
     run.updated_at = now
 
 
+def end_attempt(
+    attempt: Attempt,
+    to: AttemptStatus,
+    *,
+    now: datetime,
+    cause: str | None = None,
+    message: str | None = None,
+) -> None:
+    """End an attempt the caller holds locked (its worker's finish, or a claim that finds its
+    run paused), when the table allows it; raise `IllegalTransition` otherwise. Does not
+    commit. Ends that race with other writers are conditional UPDATEs over
+    `attempt_sources` instead."""
+    current = AttemptStatus(attempt.status)
+    if to not in ATTEMPT_TRANSITIONS[current]:
+        raise IllegalTransition(f"attempt {attempt.id}: {current} -> {to} is not a transition")
+    attempt.status, attempt.finished_at = to.value, now
+    attempt.cause, attempt.message = cause, message
+
+
 def set_run_step(run: Run, step: int) -> None:
     """`run.step` as the current attempt reports it (see the module docstring)."""
     run.step = step

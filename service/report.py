@@ -28,6 +28,7 @@ from service.lifecycle import (
     RETRIED_CAUSE,
     AttemptStatus,
     advance_run_step,
+    end_attempt,
     set_run_step,
     settle_attempt,
 )
@@ -308,10 +309,14 @@ def finish_attempt(
         except ApiError:
             session.rollback()
             raise
-    attempt.status = report.status
-    attempt.finished_at = now
-    attempt.cause = (report.cause or RETRIED_CAUSE) if report.status == "failed" else None
-    attempt.message = report.message
+    failed = report.status == AttemptStatus.FAILED
+    end_attempt(
+        attempt,
+        AttemptStatus(report.status),
+        now=now,
+        cause=(report.cause or RETRIED_CAUSE) if failed else None,
+        message=report.message,
+    )
     set_run_step(run, report.step)
     next_attempt = settle_attempt(session=session, run=run, attempt=attempt, now=now)
     session.commit()

@@ -16,7 +16,14 @@ from contracts.workflow import Workflow as WorkflowSpec
 from service.digest import resolve_digests
 from service.errors import ApiError
 from service.lease import digests_of, expire_attempt, is_active
-from service.lifecycle import add_attempt, lock_current_attempt, newest_attempt
+from service.lifecycle import (
+    AttemptStatus,
+    RunStatus,
+    add_attempt,
+    lock_current_attempt,
+    move_run,
+    newest_attempt,
+)
 from service.models import Attempt, Run, utcnow
 from service.run import (
     InitialCheckpoint,
@@ -139,7 +146,7 @@ def resume_run(
     locked = session.get(Run, run_id, with_for_update=True, populate_existing=True)
     assert locked is not None
     run = locked
-    if run.status == "succeeded":
+    if run.status == RunStatus.SUCCEEDED:
         session.rollback()
         return run, None
     if current is not None:
@@ -152,14 +159,14 @@ def resume_run(
             _refuse(session, _run_active(run, newest))
         if is_active(current, now):
             _refuse(session, _run_active(run, current))
-        if current.status == "running" and not expire_attempt(
+        if current.status == AttemptStatus.RUNNING and not expire_attempt(
             session=session, attempt=current, now=now
         ):
             _refuse(session, _run_active(run, current))
 
     attempt = add_attempt(session=session, run=run, phase_index=run.phase_index)
-    run.status = "recovering"
-    run.cause = run.message = run.finished_at = run.pause_requested_at = None
+    move_run(run, RunStatus.RECOVERING, message=None)
+    run.pause_requested_at = None
     if initial is not None:
         # The same content may now lie elsewhere: workers read it where it is now.
         run.initial_checkpoint = initial.path

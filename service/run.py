@@ -200,7 +200,7 @@ def create_run(
         id=new_run_id(),
         workflow_id=workflow.id,
         name=request.name or spec.name,
-        status="queued",
+        status=RunStatus.QUEUED.value,
         signature=signature.sha256,
         signature_components=signature.components,
         plan=run_plan.model_dump(mode="json"),
