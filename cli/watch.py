@@ -40,6 +40,7 @@ def snapshot(api: ApiClient, run_id: str) -> dict[str, Any]:
         "tokens_per_s": speed[-1] if speed else None,
         "restarts": run.get("restarts", 0),
         "preemptions": run.get("preemptions", 0),
+        "waiting_for_worker": run.get("waiting_for_worker", False),
         "cause": run.get("cause"),
         "message": run.get("message"),
     }
@@ -129,7 +130,8 @@ def _fields(state: dict[str, Any]) -> dict[str, str]:
         "phase": state["phase"] or "-",
         "speed": f"{speed:,.0f} tok/s" if speed is not None else "- tok/s",
         "restarts": f"{recoveries} restarts" if recoveries else "",
-        "status": state["status"],
+        "status": state["status"]
+        + (" (waiting for a worker)" if state["waiting_for_worker"] else ""),
     }
 
 

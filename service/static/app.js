@@ -169,8 +169,14 @@ function openRuns() {
   const current = page;
   const load = async () => {
     try {
-      const data = await getJson("/runs", { limit: 100 }, { signal: current.abort.signal });
-      if (page === current) renderRuns(data);
+      const { signal } = current.abort;
+      const [runs, workers] = await Promise.all([
+        getJson("/runs", { limit: 100 }, { signal }),
+        getJson("/workers", { limit: 100 }, { signal }),
+      ]);
+      if (page !== current) return;
+      renderRuns(runs);
+      renderWorkers(workers);
     } catch (err) {
       if (page === current) handleError(err);
     }
@@ -192,7 +198,12 @@ function renderRuns({ runs, count }) {
           el("a", { href: `#/runs/${encodeURIComponent(run.id)}` }, run.name),
           el("div", { class: "muted mono" }, run.id),
         ),
-        el("td", {}, statusBadge(run.status)),
+        el(
+          "td",
+          {},
+          statusBadge(run.status),
+          run.waiting_for_worker ? el("div", { class: "waiting" }, "waiting for a worker") : null,
+        ),
         el("td", {}, phaseLabel(run)),
         el(
           "td",
@@ -209,6 +220,30 @@ function renderRuns({ runs, count }) {
   $("#runs-table").hidden = runs.length === 0;
   $("#runs-empty").hidden = runs.length !== 0;
   $("#runs-count").textContent = count > runs.length ? `${runs.length} newest of ${count}` : `${count}`;
+}
+
+function renderWorkers({ workers, count, live }) {
+  $("#workers-table tbody").replaceChildren(
+    ...workers.map((w) =>
+      el(
+        "tr",
+        { dataset: { pid: w.pid, live: w.live } },
+        el("td", { class: "mono" }, `${w.hostname}:${w.pid}`),
+        el("td", { class: "mono" }, w.version),
+        el("td", {}, w.queue || "–"),
+        el("td", {}, el("span", { class: `status status-${w.live ? "live" : "silent"}` }, w.live ? "live" : "silent")),
+        el("td", { class: "num", title: when(w.last_seen_at) }, `${ago(w.last_seen_at)} ago`),
+        el(
+          "td",
+          {},
+          w.run_id ? el("a", { href: `#/runs/${encodeURIComponent(w.run_id)}` }, w.run_id) : "idle",
+        ),
+      ),
+    ),
+  );
+  $("#workers-table").hidden = workers.length === 0;
+  $("#workers-empty").hidden = workers.length !== 0;
+  $("#workers-count").textContent = `${live} live of ${count}`;
 }
 
 function progressBar(step, total) {
@@ -461,6 +496,7 @@ function renderRun(current) {
   const text = run.cause || run.message ? [run.cause, run.message].filter(Boolean).join(": ") : "";
   message.textContent = text;
   message.hidden = !text;
+  $("#run-waiting").hidden = !run.waiting_for_worker;
   const latest = run.latest_checkpoint ? `step ${run.latest_checkpoint.step}` : "none";
   const facts = [
     ["Run", run.id],
