@@ -56,7 +56,9 @@ def note_worker(
     )
 
 
-def note_attempt_worker(*, session: Session, attempt_id: str, now: datetime) -> None:
+def note_attempt_worker(
+    *, session: Session, attempt_id: str, now: datetime, token_id: str | None = None
+) -> None:
     """note_worker for the worker that holds the attempt, as its row names it (claims and
     heartbeats carry no version or queue). Nothing when the attempt names no worker."""
     attempt = session.get(Attempt, attempt_id)
@@ -67,6 +69,7 @@ def note_attempt_worker(*, session: Session, attempt_id: str, now: datetime) -> 
         hostname=attempt.worker_hostname,
         pid=attempt.worker_pid,
         now=now,
+        token_id=token_id,
         attempt_id=attempt.id,
     )
 

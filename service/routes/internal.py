@@ -113,7 +113,12 @@ def claim(
         artifact_root=settings.artifact_root,
     )
     note_worker(
-        session=session, hostname=body.hostname, pid=body.pid, now=utcnow(), attempt_id=attempt_id
+        session=session,
+        hostname=body.hostname,
+        pid=body.pid,
+        now=utcnow(),
+        token_id=token.id,
+        attempt_id=attempt_id,
     )
     session.commit()
     return claimed
@@ -130,7 +135,7 @@ def renew(
         token=token,
         lease_seconds=settings.lease_seconds,
     )
-    note_attempt_worker(session=session, attempt_id=attempt_id, now=utcnow())
+    note_attempt_worker(session=session, attempt_id=attempt_id, now=utcnow(), token_id=token.id)
     session.commit()
     return answer
 
