@@ -57,7 +57,7 @@ from typing import Any
 import httpx
 
 from cli.stack import Proc, child_env, free_port, wait_healthy
-from contracts.workflow import resolve_paths
+from runtime.path import resolve_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "workflows" / "demo.json"

@@ -68,7 +68,7 @@ def local(action: Callable[[], Any]) -> Any:
 
 def load_workflow(path: Path) -> dict[str, Any]:
     """Read a workflow file, with relative paths resolved against the file's own folder."""
-    from contracts.workflow import resolve_paths
+    from runtime.path import resolve_paths
 
     try:
         doc = json.loads(path.read_text())

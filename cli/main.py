@@ -189,10 +189,11 @@ def workflow_validate(
     as_json: JsonOpt = False,
 ) -> None:
     """Validate a workflow locally and print its plan; every problem is listed at once."""
-    from contracts.workflow import WorkflowInvalid, plan, validate_workflow
+    from contracts.workflow import WorkflowInvalid, plan
+    from runtime.path import validate_workflow_with_files
 
     try:
-        result = plan(validate_workflow(load_workflow(path)))
+        result = plan(validate_workflow_with_files(load_workflow(path)))
     except WorkflowInvalid as err:
         for problem in err.problems:
             err_console.print(f"[red]{path}[/red] {problem.path}: {problem.message}")

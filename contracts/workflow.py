@@ -3,15 +3,23 @@
 A workflow is one JSON document describing a multi-phase training run. `validate_workflow`
 parses it and reports *every* problem at once, each as a JSON path and a sentence, so a user
 fixes a document in one round trip instead of one error at a time.
+
+Nothing here reads the disk. `path_fields` says which fields name files and what each must
+be; the side that reads them resolves and checks them (runtime.path).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from pathlib import Path
+from collections.abc import Callable
+from pathlib import PurePath
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from contracts.bounds import MAX_COUNT, MAX_NAME, NO_NUL
 
 Objective = Literal[
     "continued_pretrain",
@@ -28,11 +36,10 @@ SUPERVISED_OBJECTIVES: tuple[str, ...] = tuple(o for o in OBJECTIVES if o != "co
 # Bump it whenever the same record would encode differently.
 ENCODER_VERSION = 3
 
-# Counts and sizes are stored in 32-bit integer columns; a larger one is a typo, not a plan.
-MAX_COUNT = 2**31 - 1
+# Counts and sizes are stored in 32-bit integer columns (contracts.bounds); a larger one is a
+# typo, not a plan.
 PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT)]
-# Names are stored in 200-character columns.
-Name = Annotated[str, Field(min_length=1, max_length=200)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL]
 
 
 class _Strict(BaseModel):
@@ -159,7 +166,7 @@ class Phase(_Strict):
 
 def _stem(path: str) -> str:
     """`/data/pretrain.train.jsonl.zst` -> `pretrain`: a source's default name."""
-    name = Path(path).name.split(".", 1)[0]
+    name = PurePath(path).name.split(".", 1)[0]
     return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:64] or "data"
 
 
@@ -182,6 +189,20 @@ class Workflow(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     evals: list[EvalSpec] = []
     phases: list[Phase] = Field(min_length=1)
+
+    @field_validator("phases")
+    @classmethod
+    def _steps_fit_a_run(cls, phases: list[Phase]) -> list[Phase]:
+        # A run counts its steps globally (run.total_steps, checkpoint steps) in 32-bit columns.
+        total = sum(p.steps for p in phases)
+        if total > MAX_COUNT:
+            raise PydanticCustomError(
+                "total_steps",
+                "the phases' steps add up to {total}, more than {most}, the most one run can "
+                "count; split the run or take fewer steps",
+                {"total": total, "most": MAX_COUNT},
+            )
+        return phases
 
     def data_paths(self) -> list[str]:
         """Every data file the workflow reads, in document order, without repeats."""
@@ -249,59 +270,47 @@ def _pydantic_problems(err: ValidationError, prefix: tuple[int | str, ...] = ())
     return problems
 
 
-def resolve_paths(doc: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """Return a copy of a raw workflow document with relative file paths made absolute against
-    `base_dir` (the workflow file's directory, or the service's data root)."""
+# What a field that names a file must name: a regular file, a directory, or either.
+PathKind = Literal["file", "directory", "path"]
 
-    def fix(value: Any) -> Any:
-        if isinstance(value, str) and value and not Path(value).is_absolute():
-            try:
-                return str((base_dir / value).resolve())
-            except (OSError, ValueError):  # a NUL byte, a name too long: reported by the checks
-                return value
-        return value
 
-    out = dict(doc)
-    if isinstance(out.get("tokenizer"), str):
-        out["tokenizer"] = fix(out["tokenizer"])
-    model = out.get("model")
-    if isinstance(model, dict) and isinstance(model.get("pretrained"), str):
-        out["model"] = {**model, "pretrained": fix(model["pretrained"])}
-    if isinstance(out.get("evals"), list):
-        out["evals"] = [
-            {**e, "data": fix(e.get("data"))} if isinstance(e, dict) else e for e in out["evals"]
-        ]
-    if isinstance(out.get("phases"), list):
-        phases = []
-        for p in out["phases"]:
-            if isinstance(p, dict) and isinstance(p.get("data"), list):
-                p = {
-                    **p,
-                    "data": [
-                        {**s, "path": fix(s.get("path"))} if isinstance(s, dict) else s
-                        for s in p["data"]
-                    ],
-                }
-            phases.append(p)
-        out["phases"] = phases
+def path_fields(doc: dict[str, Any]) -> list[tuple[tuple[int | str, ...], str, PathKind]]:
+    """Every string of a raw workflow document that names a file or a folder, in document
+    order, as (location, value, kind): the model's pretrained directory, the tokenizer (a
+    tokenizer.json or a directory), each phase's data sources and each eval set's data."""
+    found: list[tuple[tuple[int | str, ...], str, PathKind]] = []
+
+    def add(loc: tuple[int | str, ...], value: Any, kind: PathKind) -> None:
+        if isinstance(value, str):
+            found.append((loc, value, kind))
+
+    model = doc.get("model")
+    if isinstance(model, dict):
+        add(("model", "pretrained"), model.get("pretrained"), "directory")
+    add(("tokenizer",), doc.get("tokenizer"), "path")
+    phases = doc.get("phases")
+    for i, phase in enumerate(phases if isinstance(phases, list) else []):
+        data = phase.get("data") if isinstance(phase, dict) else None
+        for j, source in enumerate(data if isinstance(data, list) else []):
+            if isinstance(source, dict):
+                add(("phases", i, "data", j, "path"), source.get("path"), "file")
+    evals = doc.get("evals")
+    for k, spec in enumerate(evals if isinstance(evals, list) else []):
+        if isinstance(spec, dict):
+            add(("evals", k, "data"), spec.get("data"), "file")
+    return found
+
+
+def replace_paths(doc: dict[str, Any], fix: Callable[[str], str]) -> dict[str, Any]:
+    """A copy of a raw workflow document with each of its `path_fields` replaced by
+    `fix(value)`; the document given is not modified."""
+    out = copy.deepcopy(doc)
+    for loc, value, _ in path_fields(doc):
+        parent: Any = out
+        for part in loc[:-1]:
+            parent = parent[part]
+        parent[loc[-1]] = fix(value)
     return out
-
-
-def _path_problem(path: str, *, kind: str) -> str | None:
-    """Why `path` is not an existing file (kind "file") or directory ("directory"), or None."""
-    try:
-        found = Path(path).is_dir() if kind == "directory" else Path(path).exists()
-    except (OSError, ValueError) as err:  # NUL bytes, over-long names
-        return f"{path[:200]!r} is not a usable path ({err})"
-    if "\0" in path:
-        return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
-    return None if found else f"{kind} {path} not found"
-
-
-def _data_file_problem(path: str) -> str | None:
-    if why := _path_problem(path, kind="file"):
-        return why
-    return None if Path(path).is_file() else f"{path} is not a regular file"
 
 
 def _geometry_problems(
@@ -330,7 +339,7 @@ def _geometry_problems(
     return problems
 
 
-def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]:
+def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
     """Cross-field checks. They run on whatever parts of the document parse, so that they are
     reported together with the structural errors."""
     problems: list[Problem] = []
@@ -350,21 +359,6 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
             if not isinstance(cfg.get("vocab_size"), int):
                 add(Problem(path="model.config.vocab_size", message="is required (an integer)"))
             max_positions = cfg.get("max_position_embeddings")
-        pretrained_problem = (
-            _path_problem(has_pretrained, kind="directory")
-            if check_files and isinstance(has_pretrained, str)
-            else None
-        )
-        if pretrained_problem:
-            add(Problem(path="model.pretrained", message=pretrained_problem))
-
-    tokenizer = doc.get("tokenizer")
-    if (
-        check_files
-        and isinstance(tokenizer, str)
-        and (why := _path_problem(tokenizer, kind="file"))
-    ):
-        add(Problem(path="tokenizer", message=why))
 
     raw_phases = doc.get("phases")
     phases = raw_phases if isinstance(raw_phases, list) else []
@@ -403,8 +397,6 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
                 continue
             where = f"phases[{i}].data[{j}]"
             path = source.get("path")
-            if check_files and isinstance(path, str) and (why := _data_file_problem(path)):
-                add(Problem(path=f"{where}.path", message=why))
             name = source.get("name") or (_stem(path) if isinstance(path, str) else None)
             if isinstance(name, str):
                 if name in names:
@@ -427,9 +419,6 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
     raw_evals = doc.get("evals")
     evals = raw_evals if isinstance(raw_evals, list) else []
     for k, ev in enumerate(evals):
-        path = ev.get("data") if isinstance(ev, dict) else None
-        if check_files and isinstance(path, str) and (why := _data_file_problem(path)):
-            add(Problem(path=f"evals[{k}].data", message=why))
         e_seq = ev.get("sequence_length") if isinstance(ev, dict) else None
         if isinstance(max_positions, int) and isinstance(e_seq, int) and e_seq > max_positions:
             add(
@@ -441,11 +430,9 @@ def _check_semantics(doc: dict[str, Any], *, check_files: bool) -> list[Problem]
     return problems
 
 
-def validate_workflow(doc: Any, *, check_files: bool = True) -> Workflow:
+def validate_workflow(doc: Any) -> Workflow:
     """Parse and check a workflow document; raise `WorkflowInvalid` listing every problem.
-
-    `check_files` is off where the files live elsewhere (a worker re-parsing a stored spec).
-    """
+    Whether its files exist is the reading side's question (runtime.path)."""
     if not isinstance(doc, dict):
         raise WorkflowInvalid([Problem(path="$", message="a workflow must be a JSON object")])
     problems: list[Problem] = []
@@ -454,7 +441,7 @@ def validate_workflow(doc: Any, *, check_files: bool = True) -> Workflow:
         workflow = Workflow.model_validate(doc)
     except ValidationError as err:
         problems.extend(_pydantic_problems(err))
-    problems.extend(_check_semantics(doc, check_files=check_files))
+    problems.extend(_check_semantics(doc))
     if problems or workflow is None:
         raise WorkflowInvalid(problems)
     return workflow

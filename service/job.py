@@ -20,6 +20,8 @@ from sqlalchemy.orm import Session
 from contracts.jobs import EvaluateRequest, InspectionReport, InspectRequest, JobKind, JobOutcome
 from contracts.jobs import Job as JobPublic
 from contracts.reports import EvalResult
+from contracts.workflow import PathKind
+from runtime.path import path_problem, resolve_path
 from service.db import rowcount
 from service.errors import ApiError, not_found, validation_details
 from service.models import Job, OutboxMessage, new_job_id, utcnow
@@ -41,34 +43,6 @@ TOKENIZER_FILE = "tokenizer.json"
 # --- paths ---------------------------------------------------------------------------------
 
 
-def resolve_path(value: str, data_root: Path) -> str:
-    """A relative path made absolute against `data_root`, as workflow paths are
-    (contracts.workflow.resolve_paths); an absolute or unusable one unchanged."""
-    if value and not Path(value).is_absolute():
-        try:
-            return str((data_root / value).resolve())
-        except (OSError, ValueError):  # a NUL byte, a name too long: reported by the checks
-            return value
-    return value
-
-
-def _path_problem(path: str, kind: str) -> str | None:
-    """Why `path` is not an existing `kind` ("file", "directory" or "path"), or None."""
-    if "\0" in path:
-        return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
-    try:
-        target = Path(path)
-        found = target.exists()
-        right_kind = {"file": target.is_file, "directory": target.is_dir}.get(kind, target.exists)
-        if not found:
-            return f"{'file' if kind == 'path' else kind} {path} not found"
-        if not right_kind():
-            return f"{path} is not a {'regular file' if kind == 'file' else kind}"
-    except (OSError, ValueError) as err:
-        return f"{path[:200]!r} is not a usable path ({err})"
-    return None
-
-
 def _refuse(where: str, problems: list[dict[str, str]]) -> ApiError:
     summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
     if len(problems) > 3:
@@ -85,11 +59,14 @@ def resolve_inspect(request: InspectRequest, *, data_root: Path) -> InspectReque
             "tokenizer": resolve_path(request.tokenizer, data_root),
         }
     )
-    checks = [("path", resolved.path, "file"), ("tokenizer", resolved.tokenizer, "path")]
+    checks: list[tuple[str, str, PathKind]] = [
+        ("path", resolved.path, "file"),
+        ("tokenizer", resolved.tokenizer, "path"),
+    ]
     problems = [
         {"path": field, "message": why}
         for field, path, kind in checks
-        if (why := _path_problem(path, kind))
+        if (why := path_problem(path, kind))
     ]
     if problems:
         raise _refuse("POST /datasets/inspect", problems)
@@ -108,13 +85,16 @@ def resolve_evaluate(request: EvaluateRequest, *, data_root: Path) -> EvaluateRe
             "tokenizer": None if tokenizer is None else resolve_path(tokenizer, data_root),
         }
     )
-    checks = [("checkpoint", resolved.checkpoint, "directory"), ("data", resolved.data, "file")]
+    checks: list[tuple[str, str, PathKind]] = [
+        ("checkpoint", resolved.checkpoint, "directory"),
+        ("data", resolved.data, "file"),
+    ]
     if resolved.tokenizer is not None:
         checks.append(("tokenizer", resolved.tokenizer, "path"))
     problems = [
         {"path": field, "message": why}
         for field, path, kind in checks
-        if (why := _path_problem(path, kind))
+        if (why := path_problem(path, kind))
     ]
     checkpoint = Path(resolved.checkpoint)
     if resolved.tokenizer is None and not problems and not (checkpoint / TOKENIZER_FILE).is_file():

@@ -10,7 +10,8 @@ from sqlalchemy.orm import Session
 
 from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
-from contracts.workflow import WorkflowInvalid, plan, resolve_paths, validate_workflow
+from contracts.workflow import WorkflowInvalid, plan
+from runtime.path import resolve_paths, validate_workflow_with_files
 from service.db import insert_for
 from service.errors import ApiError, not_found
 from service.models import Workflow, utcnow
@@ -18,12 +19,12 @@ from service.schemas import WorkflowPublic
 
 
 def parse_workflow(doc: Any, *, data_root: Path) -> WorkflowSpec:
-    """Validate a submitted document, relative paths resolved against `data_root`.
-    422 `invalid_workflow` lists every problem as `{path, message}`."""
+    """Validate a submitted document, relative paths resolved against `data_root`, and check
+    the files it names. 422 `invalid_workflow` lists every problem as `{path, message}`."""
     if isinstance(doc, dict):
         doc = resolve_paths(doc, data_root)
     try:
-        return validate_workflow(doc)
+        return validate_workflow_with_files(doc)
     except WorkflowInvalid as err:
         count = len(err.problems)
         raise ApiError(

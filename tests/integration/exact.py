@@ -14,7 +14,7 @@ import torch
 from procs import DEMO, Proc, wait_for_run
 from safetensors.torch import load_file
 
-from contracts.workflow import resolve_paths
+from runtime.path import resolve_paths
 
 STEPS = 12
 

@@ -23,7 +23,7 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 
 def short_demo_workflow(*, pretrain_steps: int = 10, sft_steps: int = 6) -> dict[str, Any]:
     """The demo workflow cut to three phases and a few steps, with absolute paths."""
-    from contracts.workflow import resolve_paths
+    from runtime.path import resolve_paths
 
     doc = resolve_paths(json.loads(DEMO.read_text()), DEMO.parent)
     pretrain, summarize, *_, planning = doc["phases"]

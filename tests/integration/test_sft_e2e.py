@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from procs import Stack, processes, wait_for_run
 
-from contracts.workflow import resolve_paths
+from runtime.path import resolve_paths
 
 pytestmark = pytest.mark.integration
 

@@ -122,7 +122,7 @@ def test_eval_of_a_checkpoint_outside_a_run(tmp_path: Path) -> None:
 
 
 def test_validate_prints_the_plan_with_sources_and_replay_share(tmp_path: Path) -> None:
-    from contracts.workflow import resolve_paths
+    from runtime.path import resolve_paths
 
     workflows = ROOT / "examples" / "workflows"
     doc = resolve_paths(json.loads((workflows / "demo.json").read_text()), workflows)
@@ -148,6 +148,19 @@ def test_validate_prints_the_plan_with_sources_and_replay_share(tmp_path: Path) 
     assert phase["replay_token_share"] == pytest.approx(0.25)
     assert plan["replay_token_share"] == pytest.approx(0.25 * 25 / 100)
     assert "replay" in table.stdout and "128x4" in table.stdout and "25.0%" in table.stdout
+
+
+def test_validate_checks_the_files_relative_to_the_workflow_file(tmp_path: Path) -> None:
+    doc = json.loads((ROOT / "examples" / "workflows" / "demo.json").read_text())
+    doc["tokenizer"] = str(TOKENIZER)
+    doc["phases"][0]["data"] = [{"path": "gone.jsonl"}]
+    path = tmp_path / "workflow.json"
+    path.write_text(json.dumps(doc))
+    result = runner.invoke(app, ["workflow", "validate", str(path)])
+    assert result.exit_code == 2
+    # Compared without whitespace: the console wraps long lines at its width.
+    expected = f"phases[0].data[0].path: file {tmp_path / 'gone.jsonl'} not found"
+    assert "".join(expected.split()) in "".join(result.stderr.split())
 
 
 def test_write_fit_to_a_zst_name_writes_zstd_that_reads_back(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ import pytest
 import zstandard
 
 from contracts.jobs import InspectionReport, InspectRequest
-from contracts.workflow import OBJECTIVES, Workflow, plan, resolve_paths, validate_workflow
+from contracts.workflow import OBJECTIVES, Workflow, plan
+from runtime.path import resolve_paths, validate_workflow_with_files
 from worker.inspect import inspect_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -21,7 +22,7 @@ TOKENIZER = EXAMPLES / "tokenizer" / "tokenizer.json"
 
 
 def load(path: Path) -> Workflow:
-    return validate_workflow(resolve_paths(json.loads(path.read_text()), path.parent))
+    return validate_workflow_with_files(resolve_paths(json.loads(path.read_text()), path.parent))
 
 
 def shipped_bytes(path: Path) -> bytes:

@@ -9,10 +9,12 @@ import pytest
 from contracts.workflow import (
     WorkflowInvalid,
     json_path,
+    path_fields,
     plan,
-    resolve_paths,
+    replace_paths,
     validate_workflow,
 )
+from runtime.path import resolve_paths, validate_workflow_with_files
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "workflows"
 
@@ -56,8 +58,9 @@ def make_workflow(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
 
 
 def problems_of(doc: Any) -> dict[str, str]:
+    """Every problem of `doc`, in the document and in the files it names."""
     with pytest.raises(WorkflowInvalid) as info:
-        validate_workflow(doc)
+        validate_workflow_with_files(doc)
     return {p.path: p.message for p in info.value.problems}
 
 
@@ -131,14 +134,35 @@ def test_plan_totals_and_shares(tmp_path: Path) -> None:
     assert [s.token_share for s in result.phases[1].sources] == [0.75, 0.25]
 
 
-def test_resolve_paths_makes_relative_paths_absolute(tmp_path: Path) -> None:
+def test_validation_reads_no_files(tmp_path: Path) -> None:
     doc = make_workflow(tmp_path)
-    doc["tokenizer"] = "tok.json"
-    doc["phases"][0]["data"][0]["path"] = "a.jsonl"
-    resolved = resolve_paths(doc, tmp_path)
-    assert resolved["tokenizer"] == str(tmp_path / "tok.json")
-    assert resolved["phases"][0]["data"][0]["path"] == str(tmp_path / "a.jsonl")
-    assert doc["tokenizer"] == "tok.json", "the input document is not modified"
+    doc["tokenizer"] = "/nowhere/tok.json"
+    doc["model"] = {"pretrained": "/nowhere/model"}
+    doc["evals"][0]["data"] = "/nowhere/eval.jsonl"
+    assert validate_workflow(doc).tokenizer == "/nowhere/tok.json"
+
+
+def test_path_fields_name_every_file_with_its_kind_in_document_order(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path, model={"pretrained": "m"})
+    assert [(json_path(loc), value, kind) for loc, value, kind in path_fields(doc)] == [
+        ("model.pretrained", "m", "directory"),
+        ("tokenizer", str(tmp_path / "tok.json"), "path"),
+        ("phases[0].data[0].path", str(tmp_path / "a.jsonl"), "file"),
+        ("phases[1].data[0].path", str(tmp_path / "b.jsonl"), "file"),
+        ("phases[1].data[1].path", str(tmp_path / "a.jsonl"), "file"),
+        ("evals[0].data", str(tmp_path / "b.jsonl"), "file"),
+    ]
+    # Whatever does not parse is left to the structural checks.
+    assert path_fields({"tokenizer": 3, "phases": [1, {"data": "x"}], "evals": {}}) == []
+
+
+def test_replace_paths_rewrites_only_path_fields_in_a_copy(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    out = replace_paths(doc, str.upper)
+    assert out["tokenizer"] == str(tmp_path / "tok.json").upper()
+    assert out["evals"][0]["data"] == str(tmp_path / "b.jsonl").upper()
+    assert out["phases"][1]["name"] == "sft"
+    assert doc["tokenizer"] == str(tmp_path / "tok.json"), "the input document is not modified"
 
 
 def test_json_path_formats_indices() -> None:

@@ -111,7 +111,7 @@ def workflow_doc(tmp_path: Path) -> dict[str, object]:
 
 
 def test_digests_round_trip_through_the_stored_signature_components(tmp_path: Path) -> None:
-    spec = validate_workflow(workflow_doc(tmp_path), check_files=False)
+    spec = validate_workflow(workflow_doc(tmp_path))
     digests = Digests(tokenizer="t" * 64, data={"/a.jsonl": "d" * 64}, initial_checkpoint="c" * 64)
     signature = compute_signature(workflow=spec, digests=digests, initial_checkpoint="/ck")
     assert digests_of(signature.components) == digests

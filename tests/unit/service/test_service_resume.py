@@ -67,7 +67,7 @@ def test_an_attempt_is_active_while_queued_or_running_under_a_live_lease() -> No
 
 
 def test_the_source_run_and_step_of_an_initial_checkpoint_are_stored_not_signed() -> None:
-    spec = validate_workflow(DOC, check_files=False)
+    spec = validate_workflow(DOC)
     plain = compute_signature(workflow=spec, digests=DIGESTS, initial_checkpoint="/ck")
     taken = sign_run(
         workflow=spec,
