@@ -4,9 +4,10 @@
 
 The corpora are synthetic but structured, so a tiny model learns them in a few hundred steps:
 a small world of people, places and objects described in templated sentences. Every SFT task
-puts what the target depends on *before* anything long, the lesson of the RAG incident in
-shared/background/original-pr.md. The tokenizer is a byte-level BPE trained on the training
-splits of the five original tasks only, with the two special tokens the worker requires.
+puts what the target depends on *before* anything long: truncating RAG records from the end
+once cost a third of a corpus its question (docs/data.md). The tokenizer is a byte-level BPE
+trained on the training splits of the five original tasks only, with the two special tokens
+the worker requires.
 
 The post-training corpora of workflows/sft.example.json are written with the words that
 tokenizer knows (adding them to its training text would change it, and every length below):
