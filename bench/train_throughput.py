@@ -39,7 +39,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from contracts.reports import CheckpointRef, Claim, EvalResult
+from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import Digests
 from contracts.workflow import OBJECTIVES, Workflow
 from worker.data import batch_for_step, load_phase_data
@@ -85,14 +84,17 @@ class TimingReporter:
     def evals(self, results: Sequence[EvalResult]) -> None:
         pass
 
-    def checkpoint(self, ref: CheckpointRef) -> bool:
-        return True
+    def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
+        return frozenset()  # held, nothing pinned
+
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
+        pass
 
     def check(self, step: int, *, now: bool = False) -> Action:
         return "continue"
 
-    def keepalive(self, step: int) -> AbstractContextManager[None]:
-        return nullcontext()
+    def progress(self) -> None:
+        pass
 
 
 def write_inputs(folder: Path, objective: str) -> tuple[Path, Path]:
@@ -156,7 +158,7 @@ def trainctl_tokens_per_s(workflow: Workflow, artifact_dir: Path, steps: int) ->
         attempt_id="bench",
         run_id="bench",
         attempt_number=1,
-        fencing_token=1,
+        fencing_token="bench",
         lease_seconds=60,
         workflow=workflow.normalized(),
         signature="bench",

@@ -36,30 +36,36 @@ def test_requests_carry_the_worker_token_and_json_bodies() -> None:
         seen.append(request)
         return httpx.Response(200, json={"action": "continue", "lease_seconds": 30})
 
-    answer = client_answering(handler).heartbeat("a1", Heartbeat(fencing_token=3, step=9))
+    answer = client_answering(handler).heartbeat(
+        "a1", Heartbeat(fencing_token="secret-a1", step=9, progress=4)
+    )
     assert answer.action == "continue"
     (request,) = seen
     assert request.url.path == "/internal/attempts/a1/heartbeat"
     assert request.headers["authorization"] == "Bearer worker-token"
-    assert json.loads(request.content) == {"fencing_token": 3, "step": 9}
+    assert json.loads(request.content) == {
+        "fencing_token": "secret-a1",
+        "step": 9,
+        "progress": 4,
+    }
 
 
 @pytest.mark.parametrize("code", ["already_claimed", "superseded"])
 def test_a_stale_claim_answers_none(code: str) -> None:
     client = client_answering(lambda _: error(409, code))
-    assert client.claim("a1", ClaimRequest(hostname="h", pid=1)) is None
+    assert client.claim("a1", ClaimRequest(hostname="h", pid=1, nonce="n1")) is None
 
 
 def test_another_conflict_on_claim_is_an_error() -> None:
     client = client_answering(lambda _: error(409, "run_cancelled", "the run was cancelled"))
     with pytest.raises(ServiceError, match="run_cancelled: the run was cancelled"):
-        client.claim("a1", ClaimRequest(hostname="h", pid=1))
+        client.claim("a1", ClaimRequest(hostname="h", pid=1, nonce="n1"))
 
 
 def test_superseded_on_a_report_raises() -> None:
-    client = client_answering(lambda _: error(409, "superseded", "fencing token 3 is stale"))
+    client = client_answering(lambda _: error(409, "superseded", "the fencing token is stale"))
     with pytest.raises(Superseded, match="stale"):
-        client.finish("a1", Finish(fencing_token=3, status="succeeded", step=10))
+        client.finish("a1", Finish(fencing_token="stale", status="succeeded", step=10))
 
 
 def test_server_errors_are_retried_a_bounded_number_of_times() -> None:
@@ -75,7 +81,7 @@ def test_server_errors_are_retried_a_bounded_number_of_times() -> None:
 
     assert (
         client_answering(flaky)
-        .finish("a1", Finish(fencing_token=1, status="succeeded", step=1))
+        .finish("a1", Finish(fencing_token="secret", status="succeeded", step=1))
         .accepted
         == 1
     )
@@ -89,7 +95,7 @@ def test_server_errors_are_retried_a_bounded_number_of_times() -> None:
 
     always = client_answering(broken, retries=2)
     with pytest.raises(ServiceUnavailable, match="500"):
-        always.finish("a1", Finish(fencing_token=1, status="succeeded", step=1))
+        always.finish("a1", Finish(fencing_token="secret", status="succeeded", step=1))
     assert len(calls) == 3
 
 
@@ -101,7 +107,9 @@ def test_client_errors_are_not_retried() -> None:
         return error(422, "invalid", "step must be >= 0")
 
     with pytest.raises(ServiceError, match="422 invalid: step must be >= 0") as caught:
-        client_answering(bad).finish("a1", Finish(fencing_token=1, status="succeeded", step=1))
+        client_answering(bad).finish(
+            "a1", Finish(fencing_token="secret", status="succeeded", step=1)
+        )
     assert not isinstance(caught.value, ServiceUnavailable)  # an answer, not an outage
     assert len(calls) == 1
 
@@ -114,7 +122,7 @@ def test_an_unreachable_service_fails_after_the_retries() -> None:
         raise httpx.ConnectError("connection refused", request=request)
 
     with pytest.raises(ServiceUnavailable, match="unreachable after 3 tries"):
-        client_answering(down, retries=2).heartbeat("a1", Heartbeat(fencing_token=1, step=1))
+        client_answering(down, retries=2).heartbeat("a1", Heartbeat(fencing_token="secret", step=1))
     assert len(calls) == 3
 
 
@@ -127,7 +135,7 @@ def test_metrics_are_split_into_batches_of_at_most_1000_points() -> None:
         return httpx.Response(200, json={"accepted": len(points)})
 
     points = [MetricPoint(name="loss", step=i, value=1.0) for i in range(2500)]
-    accepted = client_answering(handler).metrics("a1", fencing_token=1, points=points)
+    accepted = client_answering(handler).metrics("a1", fencing_token="secret", points=points)
     assert sizes == [1000, 1000, 500]
     assert accepted.accepted == 2500
 
@@ -140,6 +148,6 @@ def test_metric_errors_are_answered_with_indexes_into_all_the_points() -> None:
         return httpx.Response(200, json={"accepted": len(points) - len(bad), "errors": errors})
 
     points = [MetricPoint(name="loss", step=i, value=1.0) for i in range(1, 1500)]
-    answer = client_answering(handler).metrics("a1", fencing_token=1, points=points)
+    answer = client_answering(handler).metrics("a1", fencing_token="secret", points=points)
     assert answer.accepted == 1497
     assert [points[e.index].step for e in answer.errors] == [700, 1400]

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +42,7 @@ class Service:
         self.superseded: set[str] = set()  # kinds answered 409 superseded
         self.refused_steps: set[int] = set()  # metric points answered as per-item errors
         self.received: list[str] = []
+        self.beats: list[tuple[int, int]] = []  # (step, progress) of each heartbeat
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.down:
@@ -71,6 +71,7 @@ class Service:
         else:
             self.received.append(kind)
         if kind == "heartbeat":
+            self.beats.append((body["step"], body["progress"]))
             return httpx.Response(200, json={"action": self.action, "lease_seconds": 30})
         return httpx.Response(200, json={"accepted": 1})
 
@@ -110,10 +111,10 @@ def ref(step: int) -> CheckpointRef:
 
 
 def finish(step: int) -> Finish:
-    return Finish(fencing_token=7, status="succeeded", step=step)
+    return Finish(fencing_token="claim-secret-7", status="succeeded", step=step)
 
 
-def test_metrics_are_batched_and_sent_before_each_heartbeat_and_checkpoint(
+def test_metrics_are_batched_and_sent_when_due_and_before_each_fencing_check_and_checkpoint(
     claim: Claim, tmp_path: Path
 ) -> None:
     service, clock = Service(), Clock()
@@ -122,12 +123,17 @@ def test_metrics_are_batched_and_sent_before_each_heartbeat_and_checkpoint(
         reporter.metrics(step, {"loss": 1.0})
         clock.now += 2
         assert reporter.check(step) == "continue"
-    # 6 s after the claim: one heartbeat, after the buffered points.
-    assert service.received == ["metrics:1,2,3", "heartbeat"]
+    # 6 s after the claim the buffered points are due; the loop's check sends no heartbeat
+    # (the lease keeper's thread does, and it was not started here).
+    assert service.received == ["metrics:1,2,3"]
     reporter.metrics(4, {"loss": 1.0})
+    reporter.progress()
     assert reporter.check(4, now=True) == "continue"  # the fencing check: due or not
-    assert reporter.checkpoint(ref(4)) is True
-    assert service.received[2:] == ["metrics:4", "heartbeat", "checkpoint:4"]
+    # It carries the last step and the progress so far: four steps, one unit of other work,
+    # and the fencing check itself (it comes after a checkpoint was written).
+    assert service.beats == [(4, 6)]
+    assert reporter.checkpoint(ref(4)) == frozenset()  # held, and nothing pinned
+    assert service.received[1:] == ["metrics:4", "heartbeat", "checkpoint:4"]
 
 
 def test_an_outage_spools_reports_to_disk_and_they_arrive_in_order_exactly_once(
@@ -137,20 +143,23 @@ def test_an_outage_spools_reports_to_disk_and_they_arrive_in_order_exactly_once(
     reporter = reporter_for(service, claim, clock, tmp_path)
     service.down = True
     reporter.metrics(1, {"loss": 1.0})
-    assert reporter.checkpoint(ref(1)) is False  # spooled, not registered
+    assert reporter.checkpoint(ref(1)) is None  # spooled, not registered
     clock.now += 5
     assert reporter.check(1) == "continue"  # an unreachable service does not stop training
     service.down, service.failing = False, True  # back, but answering 503
     reporter.metrics(2, {"loss": 1.0})
     reporter.evals([])
-    assert reporter.checkpoint(ref(2)) is False
+    assert reporter.checkpoint(ref(2)) is None
     spool = tmp_path / claim.attempt_id
     files = sorted(p.name for p in spool.glob("*.json"))
     assert files == [f"{n:012d}.json" for n in range(4)]
     first = json.loads((spool / files[0]).read_text())
     assert first == {
         "kind": "metrics",
-        "report": {"fencing_token": 7, "points": [{"name": "loss", "step": 1, "value": 1.0}]},
+        "report": {
+            "fencing_token": "claim-secret-7",
+            "points": [{"name": "loss", "step": 1, "value": 1.0}],
+        },
     }
     assert service.received == []
 
@@ -164,9 +173,8 @@ def test_an_outage_spools_reports_to_disk_and_they_arrive_in_order_exactly_once(
         "metrics:2",
         "checkpoint:2",
         "metrics:3",
-        "heartbeat",
     ]
-    assert reporter.checkpoint(ref(3)) is True
+    assert reporter.checkpoint(ref(3)) == frozenset()
     reporter.finish(finish(3))
     reporter.close()
     assert service.received[-2:] == ["checkpoint:3", "finish:succeeded"]
@@ -223,16 +231,16 @@ def test_draining_drops_reports_refused_as_stale_and_sends_the_rest(
     claim: Claim, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     spool = Spool(tmp_path / "attempt-old")
-    spool.append(Finish(fencing_token=3, status="preempted", step=4))
+    spool.append(Finish(fencing_token="old-secret", status="preempted", step=4))
     spool.release()
     spool = Spool(tmp_path / "attempt-new")
-    spool.append(Finish(fencing_token=4, status="succeeded", step=9))
+    spool.append(Finish(fencing_token="new-secret", status="succeeded", step=9))
     spool.release()
     service = Service()
 
     def handler(request: httpx.Request) -> httpx.Response:
-        if json.loads(request.content)["fencing_token"] == 3:
-            error = {"code": "superseded", "message": "fencing token 3 is stale"}
+        if json.loads(request.content)["fencing_token"] == "old-secret":
+            error = {"code": "superseded", "message": "the fencing token is stale"}
             return httpx.Response(409, json={"error": error})
         return service(request)
 
@@ -271,7 +279,7 @@ def test_a_stop_answer_ends_all_reporting_and_drops_the_spool(claim: Claim, tmp_
         reporter.check(2)
     assert not (tmp_path / claim.attempt_id).exists()
     reporter.metrics(3, {"loss": 1.0})
-    assert reporter.checkpoint(ref(3)) is False
+    assert reporter.checkpoint(ref(3)) is None
     assert reporter.check(3, now=True) == "stop"
     assert service.received == []
 
@@ -279,18 +287,37 @@ def test_a_stop_answer_ends_all_reporting_and_drops_the_spool(claim: Claim, tmp_
     reporter = reporter_for(service, claim, clock, tmp_path)
     assert reporter.check(4, now=True) == "stop"
     reporter.metrics(4, {"loss": 1.0})
-    assert reporter.checkpoint(ref(4)) is False
+    assert reporter.checkpoint(ref(4)) is None
     assert service.received == ["heartbeat"]
 
 
 def test_a_pause_answer_is_reported_to_the_loop(claim: Claim, tmp_path: Path) -> None:
     service, clock = Service(action="pause"), Clock()
     reporter = reporter_for(service, claim, clock, tmp_path)
-    assert reporter.check(1) == "continue"  # not due yet: no request
     clock.now += 5
-    assert reporter.check(2) == "pause"
-    assert reporter.checkpoint(ref(2)) is True  # a pausing attempt still reports
+    assert reporter.check(1) == "continue"  # due, but a check only flushes: no heartbeat
+    assert reporter.check(2, now=True) == "pause"
+    assert reporter.check(3) == "pause"  # the order sticks
+    assert reporter.checkpoint(ref(2)) == frozenset()  # a pausing attempt still reports
     assert service.received == ["heartbeat", "checkpoint:2"]
+
+
+def test_an_order_the_lease_keeper_heard_reaches_the_loop_at_its_next_check(
+    claim: Claim, tmp_path: Path
+) -> None:
+    service, clock = Service(action="pause"), Clock()
+    reporter = reporter_for(service, claim, clock, tmp_path)
+    reporter.metrics(1, {"loss": 1.0})
+    assert reporter.lease.beat() == "pause"  # what the keeper's thread does every interval
+    assert reporter.check(1) == "pause"  # not due: no request, the keeper's order
+    assert service.received == ["heartbeat"]
+
+    service.action = "stop"
+    assert reporter.lease.beat() == "stop"
+    assert reporter.check(2) == "stop"
+    # Stopped: nothing more is sent, not even the buffered points of step 1.
+    assert reporter.checkpoint(ref(2)) is None
+    assert service.received == ["heartbeat", "heartbeat"]
 
 
 def test_refused_metric_points_are_logged_by_name_and_step(
@@ -302,7 +329,7 @@ def test_refused_metric_points_are_logged_by_name_and_step(
     for step in (1, 2, 3):
         reporter.metrics(step, {"loss": 1.0, "grad_norm": 2.0})
     with caplog.at_level(logging.WARNING):
-        assert reporter.checkpoint(ref(3)) is True
+        assert reporter.checkpoint(ref(3)) == frozenset()
     refused = [r.getMessage() for r in caplog.records if "refused metric point" in r.message]
     assert refused == [
         "attempt attempt-1: the service refused metric point 'loss' at step 2: value is not finite",
@@ -310,63 +337,3 @@ def test_refused_metric_points_are_logged_by_name_and_step(
         "value is not finite",
     ]
     assert service.received == ["metrics:1,1,2,2,3,3", "checkpoint:3"]
-
-
-def real_clock_reporter(service: Service, claim: Claim, spool_dir: Path) -> ServiceReporter:
-    return ServiceReporter(client_of(service), claim, spool_dir=spool_dir, heartbeat_seconds=0.2)
-
-
-def test_keepalive_heartbeats_while_the_caller_reports_nothing(
-    claim: Claim, tmp_path: Path
-) -> None:
-    """Preparing a phase or evaluating can outlast the lease: a thread keeps it meanwhile
-    (every max(heartbeat_seconds, 0.5) s), and stops with the block."""
-    service = Service()
-    reporter = real_clock_reporter(service, claim, tmp_path)
-    with reporter.keepalive(3):
-        time.sleep(1.3)
-    assert service.received == ["heartbeat", "heartbeat"]
-    time.sleep(0.7)
-    assert service.received == ["heartbeat", "heartbeat"]  # nothing after the block
-
-
-def test_a_pause_received_during_keepalive_reaches_the_loop_and_the_lease_is_kept(
-    claim: Claim, tmp_path: Path
-) -> None:
-    service = Service(action="pause")
-    reporter = real_clock_reporter(service, claim, tmp_path)
-    with reporter.keepalive(3):
-        time.sleep(1.3)
-    assert service.received == ["heartbeat", "heartbeat"]  # still renewing after the order
-    assert reporter.check(4) == "pause"
-
-
-def test_a_stop_received_during_keepalive_ends_it_and_reaches_the_loop(
-    claim: Claim, tmp_path: Path
-) -> None:
-    service = Service(action="stop")
-    reporter = real_clock_reporter(service, claim, tmp_path)
-    with reporter.keepalive(3):
-        time.sleep(1.3)
-    assert service.received == ["heartbeat"]  # nothing left to keep
-    assert reporter.check(4) == "stop"
-    assert service.received == ["heartbeat"]
-
-
-def test_keepalive_survives_a_failing_heartbeat(claim: Claim, tmp_path: Path) -> None:
-    """A refused request in the thread is logged; the next beat still goes out."""
-    service = Service()
-    reporter = real_clock_reporter(service, claim, tmp_path)
-    calls = []
-    original = reporter._client.heartbeat
-
-    def flaky(*args: object, **kwargs: object) -> object:
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("an unexpected answer")
-        return original(*args, **kwargs)  # type: ignore[arg-type]
-
-    reporter._client.heartbeat = flaky  # type: ignore[method-assign]
-    with reporter.keepalive(3):
-        time.sleep(1.3)
-    assert len(calls) == 2 and service.received == ["heartbeat"]

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,30 +20,44 @@ from worker.settings import WorkerSettings
 
 class InProcessService:
     """Answers the internal API the way the service does, and records every request. It owns
-    no database: the runner is tested against the HTTP contract, not the service's storage."""
+    no database: the runner is tested against the HTTP contract, not the service's storage.
+
+    Heartbeats from the lease keeper's thread are kept apart (`keeper_beats`) from the loop's
+    requests (`posts`): the keeper beats on its own clock, the loop's order is deterministic.
+    `order=(action, step)`: once the loop posts the evaluation of `step`, every heartbeat
+    answers `action`, and that evaluation's answer waits until the keeper has heard it."""
 
     def __init__(
         self,
         claim: Claim | None,
         *,
         stop_after_heartbeats: int | None = None,
-        pause_after_heartbeats: int | None = None,
+        order: tuple[str, int] | None = None,
     ) -> None:
         self.claim = claim
         self.stop_after_heartbeats = stop_after_heartbeats
-        self.pause_after_heartbeats = pause_after_heartbeats
+        self.order = order
         self.down_for = 0
         self.superseded_on: str | None = None
         self.unavailable_on: str | None = None
         self.posts: list[tuple[str, dict[str, Any]]] = []
+        self.keeper_beats: list[dict[str, Any]] = []
+        self._ordered = threading.Condition()
+        self._ordering = False
+        self._ordered_beats = 0  # keeper heartbeats answered with the order
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         kind = request.url.path.rsplit("/", 1)[-1]
         body = json.loads(request.content)
+        keeper = threading.current_thread().name.startswith("lease-")
         if kind != "claim" and self.down_for > 0:
-            self.down_for -= 1
+            if not keeper:  # down for everyone, for as many of the loop's requests
+                self.down_for -= 1
             return httpx.Response(503, json={"error": {"code": "down", "message": "restarting"}})
-        self.posts.append((kind, body))
+        if keeper:
+            self.keeper_beats.append(body)
+        else:
+            self.posts.append((kind, body))
         if kind == self.superseded_on:
             return conflict("superseded")
         if kind == self.unavailable_on:
@@ -52,14 +67,42 @@ class InProcessService:
                 return conflict("already_claimed")
             return httpx.Response(200, json=self.claim.model_dump(mode="json"))
         if kind == "heartbeat":
-            beats = len(self.of("heartbeat"))
-            stop = self.stop_after_heartbeats is not None and beats >= self.stop_after_heartbeats
-            pause = self.pause_after_heartbeats is not None and beats >= self.pause_after_heartbeats
-            action = "stop" if stop else "pause" if pause else "continue"
-            return httpx.Response(200, json={"action": action, "lease_seconds": 60})
+            return httpx.Response(200, json={"action": self._action(keeper), "lease_seconds": 60})
         if kind == "metrics":
             return httpx.Response(200, json={"accepted": len(body["points"])})
+        if kind == "evals" and self.order is not None:
+            action, step = self.order
+            if any(r["step"] == step for r in body["results"]):
+                self._hold_until_the_keeper_heard(action)
         return httpx.Response(200, json={"accepted": 1})
+
+    def _action(self, keeper: bool) -> str:
+        beats = len(self.of("heartbeat"))
+        if self.stop_after_heartbeats is not None and beats >= self.stop_after_heartbeats:
+            return "stop"
+        with self._ordered:
+            if not self._ordering:
+                return "continue"
+            assert self.order is not None
+            if keeper:
+                self._ordered_beats += 1
+                self._ordered.notify_all()
+            return self.order[0]
+
+    def _hold_until_the_keeper_heard(self, action: str) -> None:
+        # The keeper stores an answer before it sends its next heartbeat: once a second one
+        # arrives, the first one's order is what the loop reads. A keeper told to stop sends
+        # no second one: it stores the order and ends.
+        stop = action == "stop"
+        with self._ordered:
+            self._ordering = True
+            assert self._ordered.wait_for(
+                lambda: self._ordered_beats >= (1 if stop else 2), timeout=30
+            )
+        if stop:
+            for thread in threading.enumerate():
+                if thread.name.startswith("lease-"):
+                    thread.join(timeout=30)
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [body for k, body in self.posts if k == kind]
@@ -74,9 +117,17 @@ def conflict(code: str) -> httpx.Response:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> WorkerSettings:
+    # The lease keeper stays silent through these short attempts (its first beat would come
+    # after an hour), and buffered points go out at fencing checks and the finish: the
+    # requests the loop makes are then the same every run. Tests of the keeper's orders make
+    # it beat often (`beating`).
     return WorkerSettings(
-        home=tmp_path / "home", device="cpu", heartbeat_seconds=0, spool_flush_seconds=0
+        home=tmp_path / "home", device="cpu", heartbeat_seconds=3600, spool_flush_seconds=0
     )
+
+
+def beating(settings: WorkerSettings) -> WorkerSettings:
+    return settings.model_copy(update={"heartbeat_seconds": 0.02})
 
 
 @pytest.fixture
@@ -106,7 +157,7 @@ def test_a_successful_attempt_reports_everything_then_finishes(
     assert service.kinds()[0] == "claim" and service.kinds()[-1] == "finish"
     (finish,) = service.of("finish")
     assert finish == {
-        "fencing_token": 7,
+        "fencing_token": "claim-secret-7",
         "status": "succeeded",
         "step": 3,
         "cause": None,
@@ -114,14 +165,24 @@ def test_a_successful_attempt_reports_everything_then_finishes(
     }
     points = [p for batch in service.of("metrics") for p in batch["points"]]
     assert sorted({p["step"] for p in points}) == [1, 2, 3]
-    assert all(b["fencing_token"] == 7 for k, b in service.posts if k != "claim")
+    assert all(b["fencing_token"] == "claim-secret-7" for k, b in service.posts if k != "claim")
+    assert service.posts[0][1]["nonce"]  # the claim names itself for its retries
     assert [r["step"] for batch in service.of("evals") for r in batch["results"]] == [0, 3]
     (checkpoint,) = service.of("checkpoints")
     assert checkpoint["checkpoint"]["step"] == 3
-    # After steps 1 and 2 (heartbeat_seconds=0), and the fencing check before step 3's
-    # checkpoint is put in place.
-    assert [h["step"] for h in service.of("heartbeat")] == [1, 2, 3]
-    assert service.kinds()[-3:] == ["heartbeat", "checkpoints", "finish"]
+    # The loop itself heartbeats only for the fencing check before step 3's checkpoint is put
+    # in place, and says how much it has done: inputs hashed, data read, steps, evals.
+    (fencing,) = service.of("heartbeat")
+    assert fencing["step"] == 3 and fencing["progress"] > 3
+    assert service.kinds() == [
+        "claim",
+        "evals",  # the baseline
+        "metrics",  # steps 1 to 3, sent ahead of the next report
+        "evals",
+        "heartbeat",
+        "checkpoints",
+        "finish",
+    ]
 
 
 def test_a_duplicate_message_is_dropped(workflow: Workflow, settings: WorkerSettings) -> None:
@@ -183,10 +244,23 @@ def test_bad_data_fails_with_cause_data_naming_file_and_line(
 def test_a_stop_answer_ends_the_attempt_without_finishing(
     workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
 ) -> None:
+    """Heard at the fencing check before the final checkpoint is put in place."""
     service = InProcessService(make_claim(workflow), stop_after_heartbeats=1)
     outcome = attempt(service, settings)
     assert outcome.status == "stopped"
     assert service.kinds()[-1] == "heartbeat"
+    assert "finish" not in service.kinds() and "checkpoints" not in service.kinds()
+
+
+def test_a_stop_heard_by_the_lease_keeper_ends_the_attempt_without_finishing(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    """Heard between steps, from the keeper's thread, after the baseline evaluation."""
+    service = InProcessService(make_claim(workflow), order=("stop", 0))
+    outcome = attempt(service, beating(settings))
+    # At the loop's first check after it, with nothing written.
+    assert (outcome.status, outcome.step) == ("stopped", 1)
+    assert service.keeper_beats
     assert "finish" not in service.kinds() and "checkpoints" not in service.kinds()
 
 
@@ -242,19 +316,24 @@ def test_reports_during_an_outage_arrive_in_order_exactly_once(
     assert list(settings.spool_dir.iterdir()) == []
 
 
-def test_a_pause_answer_checkpoints_and_finishes_paused(
+def test_a_pause_heard_by_the_lease_keeper_checkpoints_and_finishes_paused(
     make_workflow: Callable[..., Workflow],
     make_pairs_file: Callable[..., Path],
     make_claim: Callable[..., Claim],
     settings: WorkerSettings,
 ) -> None:
     workflow = make_workflow(
-        [{"name": "sft", "objective": "qa_reasoning", "data": [make_pairs_file()], "steps": 6}]
+        [{"name": "sft", "objective": "qa_reasoning", "data": [make_pairs_file()], "steps": 6}],
+        evals=[{"task": "qa_reasoning", "data": make_pairs_file("eval.jsonl"), "every_steps": 2}],
     )
-    service = InProcessService(make_claim(workflow), pause_after_heartbeats=2)
-    outcome = attempt(service, settings)
+    service = InProcessService(make_claim(workflow), order=("pause", 2))
+    outcome = attempt(service, beating(settings))
     assert (outcome.status, outcome.step) == ("paused", 2)
+    # The fencing check before the pause checkpoint is put in place, the checkpoint, the finish.
     assert service.kinds()[-3:] == ["heartbeat", "checkpoints", "finish"]
     assert service.of("checkpoints")[0]["checkpoint"]["step"] == 2
     assert service.of("finish")[0]["status"] == "paused"
     assert service.of("finish")[0]["step"] == 2
+    # The keeper's heartbeats follow the loop: steps and progress never go back.
+    beats = [(b["step"], b["progress"]) for b in service.keeper_beats]
+    assert beats == sorted(beats) and beats[-1][0] == 2
