@@ -11,11 +11,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 import service.control as control
-from contracts.reports import ClaimRequest, Finish
-from service.attempt import claim_attempt, finish_attempt
+from contracts.reports import CheckpointRef, CheckpointReport, ClaimRequest, Finish
+from service.auth import create_token, find_token
 from service.db import make_session_factory, upgrade_database
 from service.errors import ApiError
+from service.lease import claim_attempt
 from service.models import Attempt, Run
+from service.report import finish_attempt, register_checkpoint
 from service.run import create_run
 from service.schemas import RunCreate
 from service.settings import ServiceSettings
@@ -42,11 +44,31 @@ def test_a_cancel_racing_a_finish_does_not_overwrite_it(
         )
         run_id = run.id
         attempt_id = session.scalars(select(Attempt.id).where(Attempt.run_id == run_id)).one()
+        worker = find_token(
+            session=session, token=create_token(session=session, name="w", role="worker")
+        )
+        assert worker is not None
     with sessions() as session:
         claim = claim_attempt(
             session=session,
             attempt_id=attempt_id,
-            request=ClaimRequest(hostname="h", pid=1),
+            request=ClaimRequest(hostname="h", pid=1, nonce="n1"),
+            token=worker,
+            lease_seconds=60,
+            artifact_root=tmp_path,
+        )
+        # A success is believed only with the phase's final checkpoint registered.
+        final = CheckpointRef(
+            path=f"{claim.artifact_dir}/checkpoints/step-00000075",
+            step=75,
+            phase_index=0,
+            phase_step=75,
+        )
+        register_checkpoint(
+            session=session,
+            attempt_id=attempt_id,
+            report=CheckpointReport(fencing_token=claim.fencing_token, checkpoint=final),
+            token=worker,
             lease_seconds=60,
             artifact_root=tmp_path,
         )
@@ -57,7 +79,13 @@ def test_a_cancel_racing_a_finish_does_not_overwrite_it(
         found = read(session, run_id)  # the cancel has read: run and attempt running
         with sessions() as other:
             finish = Finish(fencing_token=claim.fencing_token, status="succeeded", step=75)
-            finish_attempt(session=other, attempt_id=attempt_id, report=finish, lease_seconds=60)
+            finish_attempt(
+                session=other,
+                attempt_id=attempt_id,
+                report=finish,
+                token=worker,
+                lease_seconds=60,
+            )
         return found
 
     monkeypatch.setattr(control, "_lock", read_then_let_the_worker_finish)

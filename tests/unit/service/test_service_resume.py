@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from contracts.signature import Digests, FieldDiff, compute_signature
 from contracts.workflow import validate_workflow
-from service.attempt import is_active, lease_expired
+from service.lease import is_active, lease_expired
 from service.models import Attempt, utcnow
 from service.resume import signature_mismatch
 from service.run import InitialCheckpoint, sign_run
