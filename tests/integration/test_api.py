@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -14,10 +15,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from contracts.dispatch import RUN_PHASE_TASK
-from contracts.reports import ClaimRequest
+from contracts.reports import Claim, ClaimRequest
 from service.app import create_app
-from service.attempt import claim_attempt
+from service.auth import find_token
 from service.errors import ApiError
+from service.lease import claim_attempt
 from service.models import Attempt, MetricPoint, OutboxMessage, Run, Workflow
 from service.settings import ServiceSettings
 
@@ -62,10 +64,19 @@ def message_args(message: dict[str, Any]) -> list[Any]:
 
 
 class Worker:
-    """The worker's side of /internal/attempts/{id}/..., over HTTP."""
+    """The worker's side of /internal/attempts/{id}/..., over HTTP. Checkpoints are registered
+    under the claim's `artifact_dir`, where a worker writes them."""
 
-    def __init__(self, api: Api, attempt_id: str, token: int | None = None) -> None:
+    def __init__(
+        self,
+        api: Api,
+        attempt_id: str,
+        token: str | None = None,
+        artifact_dir: str | None = None,
+    ) -> None:
         self.api, self.attempt_id, self.token = api, attempt_id, token
+        self.artifact_dir = artifact_dir
+        self.nonce = uuid.uuid4().hex  # one per claim, sent again by its retries
 
     def post(self, action: str, body: dict[str, Any]) -> Any:
         return self.api.client.post(
@@ -73,13 +84,16 @@ class Worker:
         )
 
     def claim(self, pid: int = 4242) -> Any:
-        response = self.post("claim", {"hostname": "gpu-1", "pid": pid})
+        response = self.post("claim", {"hostname": "gpu-1", "pid": pid, "nonce": self.nonce})
         if response.status_code == 200:
             self.token = response.json()["fencing_token"]
+            self.artifact_dir = response.json()["artifact_dir"]
         return response
 
-    def heartbeat(self, step: int) -> Any:
-        return self.post("heartbeat", {"fencing_token": self.token, "step": step})
+    def heartbeat(self, step: int, progress: int = 0) -> Any:
+        return self.post(
+            "heartbeat", {"fencing_token": self.token, "step": step, "progress": progress}
+        )
 
     def metrics(self, points: list[tuple[str, int, float]]) -> Any:
         return self.post(
@@ -93,9 +107,12 @@ class Worker:
     def evals(self, results: list[dict[str, Any]]) -> Any:
         return self.post("evals", {"fencing_token": self.token, "results": results})
 
+    def checkpoint_path(self, step: int) -> str:
+        return f"{self.artifact_dir}/checkpoints/step-{step:08d}"
+
     def checkpoint(self, step: int, phase_index: int, phase_step: int) -> Any:
         ref = {
-            "path": f"/artifacts/step-{step:08d}",
+            "path": self.checkpoint_path(step),
             "step": step,
             "phase_index": phase_index,
             "phase_step": phase_step,
@@ -156,7 +173,9 @@ def test_every_error_has_the_error_shape(api: Api, tiny_workflow: WorkflowFactor
     assert_error(api.client.get("/runs", headers=api.worker), 403, "forbidden")
     assert_error(
         api.client.post(
-            "/internal/attempts/att_x/claim", json={"hostname": "h", "pid": 1}, headers=api.admin
+            "/internal/attempts/att_x/claim",
+            json={"hostname": "h", "pid": 1, "nonce": "n1"},
+            headers=api.admin,
         ),
         403,
         "forbidden",
@@ -407,7 +426,7 @@ def test_worker_protocol_runs_every_phase_to_success(
     assert final["step"] == final["total_steps"] == 30
     assert final["latest_checkpoint"] == {
         "step": 30,
-        "path": "/artifacts/step-00000030",
+        "path": f"{api.settings.artifact_root}/runs/{run_id}/checkpoints/step-00000030",
         "phase_index": 2,
     }
     assert [(a["number"], a["phase_index"], a["status"]) for a in final["attempts"]] == [
@@ -459,7 +478,7 @@ def test_stale_fencing_token_is_refused_as_superseded(
     run = submit(api, {"workflow": tiny_workflow()}).json()
     worker = Worker(api, run["attempts"][0]["id"])
     worker.claim()
-    stale = Worker(api, worker.attempt_id, token=(worker.token or 0) - 1)
+    stale = Worker(api, worker.attempt_id, token="stale-secret", artifact_dir=worker.artifact_dir)
     error = assert_error(stale.metrics([("loss", 1, 1.0)]), 409, "superseded")
     assert error["details"]["attempt_id"] == worker.attempt_id
     assert_error(stale.checkpoint(step=5, phase_index=0, phase_step=5), 409, "superseded")
@@ -470,7 +489,7 @@ def test_stale_fencing_token_is_refused_as_superseded(
         assert session.scalars(select(MetricPoint)).all() == []
     # The owner is unaffected.
     assert worker.heartbeat(step=1).json()["action"] == "continue"
-    assert_error(Worker(api, "att_missing", token=1).metrics([]), 404, "attempt_not_found")
+    assert_error(Worker(api, "att_missing", token="secret").metrics([]), 404, "attempt_not_found")
 
 
 def test_preempted_attempt_restarts_from_the_latest_checkpoint(
@@ -497,7 +516,8 @@ def test_preempted_attempt_restarts_from_the_latest_checkpoint(
     second.heartbeat(step=6)
     assert get_run(api, run["id"])["step"] == 6
     assert get_run(api, run["id"])["status"] == "running"
-    second.finish("succeeded", step=10)
+    assert second.checkpoint(step=10, phase_index=0, phase_step=10).status_code == 200
+    assert second.finish("succeeded", step=10).status_code == 200
     assert get_run(api, run["id"])["status"] == "succeeded"
 
 
@@ -537,30 +557,38 @@ def test_concurrent_claims_have_exactly_one_winner(
     run = submit(api, {"workflow": tiny_workflow()}).json()
     attempt_id = run["attempts"][0]["id"]
     outcomes: list[str] = []
+    won: list[tuple[int, Claim]] = []
     barrier = threading.Barrier(8)
+    secret = api.worker["Authorization"].removeprefix("Bearer ")
 
     def claim(pid: int) -> None:
         barrier.wait()
         with api.sessions() as session:
+            token = find_token(session=session, token=secret)
+            assert token is not None
             try:
-                claim_attempt(
+                answer = claim_attempt(
                     session=session,
                     attempt_id=attempt_id,
-                    request=ClaimRequest(hostname="race", pid=pid),
+                    request=ClaimRequest(hostname="race", pid=pid, nonce=f"nonce-{pid}"),
+                    token=token,
                     lease_seconds=30,
                     artifact_root=api.settings.artifact_root,
                 )
                 outcomes.append("won")
+                won.append((pid, answer))
             except ApiError as err:
                 outcomes.append(err.code)
 
-    threads = [threading.Thread(target=claim, args=(pid,)) for pid in range(8)]
+    threads = [threading.Thread(target=claim, args=(pid,)) for pid in range(1, 9)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert sorted(outcomes) == ["already_claimed"] * 7 + ["won"]
+    ((pid, answer),) = won
     with api.sessions() as session:
         attempt = session.get(Attempt, attempt_id)
         assert attempt is not None
-        assert attempt.fencing_token == 1
+        # The attempt holds the winner's claim, and no loser's.
+        assert (attempt.fencing_token, attempt.worker_pid) == (answer.fencing_token, pid)

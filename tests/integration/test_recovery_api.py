@@ -93,7 +93,8 @@ def test_reaper_recovers_a_lost_attempt_within_budget_then_fails_the_run_beyond_
     assert_error(first.metrics([("loss", 6, 1.0)]), 409, "superseded")
 
     second = claimed(api, run["id"], pid=5151)
-    assert second.claim().status_code == 409  # already claimed: the claim above won
+    # The attempt's message delivered again: already claimed, the claim above won.
+    assert Worker(api, second.attempt_id).claim().status_code == 409
     assert reap(api) == [second.attempt_id]
     final = get_run(api, run["id"])
     assert (final["status"], final["cause"]) == ("failed", "restarts_exhausted")
@@ -168,7 +169,7 @@ def test_infrastructure_errors_are_retried_while_max_restarts_lasts(
     assert (state["restarts"], state["preemptions"]) == (1, 0)
     assert "NCCL timeout" in state["message"]
     second = claimed(api, run["id"])
-    assert second.claim().status_code == 409
+    assert Worker(api, second.attempt_id).claim().status_code == 409
     # A failure without a cause is an infrastructure failure.
     second.finish("failed", step=4)
     final = get_run(api, run["id"])
@@ -218,7 +219,7 @@ def test_reports_beyond_the_resumed_step_are_removed_on_claim(
     first.finish("preempted", step=8)
 
     second = claimed(api, run["id"])
-    assert second.claim().status_code == 409
+    assert Worker(api, second.attempt_id).claim().status_code == 409
     metrics = api.client.get(f"/runs/{run['id']}/metrics", headers=api.admin).json()
     assert metrics["loss"]["steps"] == [1, 2, 3, 4]
     history = api.client.get(f"/runs/{run['id']}/eval", headers=api.admin).json()
@@ -226,7 +227,8 @@ def test_reports_beyond_the_resumed_step_are_removed_on_claim(
 
     second.metrics([("loss", s, 1.0 / s) for s in range(5, 11)])
     second.evals([eval_point(5, 3.0), eval_point(10, 2.0)])
-    second.finish("succeeded", step=10)
+    assert second.checkpoint(step=10, phase_index=0, phase_step=10).status_code == 200
+    assert second.finish("succeeded", step=10).status_code == 200
     metrics = api.client.get(f"/runs/{run['id']}/metrics", headers=api.admin).json()
     # Each step once: the first attempt's up to the checkpoint, the second's after it.
     assert metrics["loss"]["steps"] == list(range(1, 11))
@@ -279,7 +281,7 @@ def test_batch_limits_answer_in_the_error_shape(api: Api, tiny_workflow: Workflo
     # Without a Content-Length (chunked), the body is cut off once it passes the limit.
     chunked = api.client.post(
         f"/internal/attempts/{worker.attempt_id}/metrics",
-        content=iter([b'{"fencing_token": 1, "points": [' + b" " * (1 << 20), b"]}"]),
+        content=iter([b'{"fencing_token": "t", "points": [' + b" " * (1 << 20), b"]}"]),
         headers={**api.worker, "Content-Type": "application/json"},
     )
     assert_error(chunked, 413, "payload_too_large")
@@ -324,7 +326,8 @@ def test_pause_reaches_the_worker_by_heartbeat_and_resume_continues(
     claim = again.claim().json()
     assert claim["resume_from"]["step"] == 4
     assert again.heartbeat(step=5).json()["action"] == "continue"
-    again.finish("succeeded", step=10)
+    assert again.checkpoint(step=10, phase_index=0, phase_step=10).status_code == 200
+    assert again.finish("succeeded", step=10).status_code == 200
     assert get_run(api, run["id"])["status"] == "succeeded"
 
 
@@ -366,7 +369,9 @@ def test_pause_and_cancel_of_a_finished_run_are_refused(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
     run = submit(api, {"workflow": tiny_workflow(phases=1)}).json()
-    claimed(api, run["id"]).finish("succeeded", step=10)
+    worker = claimed(api, run["id"])
+    assert worker.checkpoint(step=10, phase_index=0, phase_step=10).status_code == 200
+    assert worker.finish("succeeded", step=10).status_code == 200
     for action in ("pause", "cancel"):
         error = assert_error(post(api, run["id"], action), 409, "run_finished")
         assert error["details"] == {"run_id": run["id"], "status": "succeeded"}
@@ -422,7 +427,7 @@ def test_requests_answer_503_while_the_database_is_unreachable(
         assert "TRAINCTL_DATABASE_URL" in error["message"]
         report = client.post(
             "/internal/attempts/att_x/heartbeat",
-            json={"fencing_token": 1, "step": 1},
+            json={"fencing_token": "secret", "step": 1},
             headers=headers,
         )
         assert_error(report, 503, "database_unavailable")

@@ -78,7 +78,7 @@ def outbox_rows(api: Api) -> int:
 
 def register_directory_checkpoint(worker: Worker, step: int, content: bytes) -> Path:
     """A checkpoint directory that exists (so it can be hashed), registered by `worker`."""
-    path = worker.api.settings.artifact_root / "runs" / "source" / f"step-{step:08d}"
+    path = Path(worker.checkpoint_path(step))
     path.mkdir(parents=True)
     (path / "config.json").write_text('{"model_type": "llama"}')
     (path / "model.safetensors").write_bytes(content)
@@ -131,7 +131,7 @@ def test_run_from_an_initial_checkpoint_resumes_with_its_id_alone_inside_a_phase
     assert claim["attempt_number"] == 3
     assert claim["phase_index"] == 1
     assert claim["resume_from"] == {
-        "path": "/artifacts/step-00000014",
+        "path": f"{claim['artifact_dir']}/checkpoints/step-00000014",
         "step": 14,
         "phase_index": 1,
         "phase_step": 4,
@@ -140,7 +140,8 @@ def test_run_from_an_initial_checkpoint_resumes_with_its_id_alone_inside_a_phase
     assert claim["initial_checkpoint"] == str(weights)
     assert claim["digests"]["initial_checkpoint"] == sha256_file(weights)
     assert claim["signature"] == run["signature"]
-    third.finish("succeeded", step=20)
+    assert third.checkpoint(step=20, phase_index=1, phase_step=10).status_code == 200
+    assert third.finish("succeeded", step=20).status_code == 200
     assert get_run(api, run["id"])["status"] == "succeeded"
 
 
