@@ -1,45 +1,99 @@
-"""Fault injection: SIGKILL this process at an exact instant of the training loop.
+"""Fault injection for tests: kill, slow or hang this worker at an exact instant of the loop.
 
-The integration and end-to-end tests arm points with `TRAINCTL_FAILPOINTS` (comma-separated
-`name@step`, e.g. `mid_checkpoint@10,after_step@3`); production leaves it empty and `hit` costs a
-set lookup. SIGKILL, not an exception: nothing (no `finally`, no atexit, no flush) may run, as
-when a spot instance disappears.
+A test knob, never a production one: tests arm points with `TRAINCTL_TEST_FAILPOINTS`
+(comma-separated), and the worker refuses to start with it set unless `TRAINCTL_TESTING=1`
+(worker/settings.py). Unarmed, `hit` costs a dict lookup.
 
 Points, for update (or checkpoint) `step`:
 - `before_step`: before the forward of update `step`;
 - `after_step`: after the optimizer step of `step`, before its metrics, eval and checkpoint;
 - `mid_checkpoint`: inside the save of `step`, after the model weights are written into the
-  temporary directory, before the manifest and the rename (in the background writer thread,
-  which kills the whole process all the same);
+  temporary directory, before the manifest and the rename (in the background writer thread);
 - `after_checkpoint`: after the checkpoint of `step` is renamed into place and registered with
   the service.
+
+What happens there:
+- `point@step` (e.g. `mid_checkpoint@10`): SIGKILL the process. Not an exception: nothing (no
+  `finally`, no atexit, no flush) may run, as when a spot instance disappears. From the
+  background writer thread it kills the whole process all the same.
+- `slow_point@step=seconds` (e.g. `slow_before_step@3=6`): sleep that long in the calling
+  thread, as a slow device or a long gradient accumulation would, then go on.
+- `hang_point@step` (e.g. `hang_before_step@3`): block the calling thread forever. The
+  process and its other threads (the lease keeper's heartbeats, the metrics server) stay
+  alive: a hung worker, not a dead one, which only its stalled progress gives away.
+
+Slow and hang log a line naming the point before they act.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger(__name__)
 
 POINTS = ("before_step", "after_step", "mid_checkpoint", "after_checkpoint")
+Action = Literal["kill", "slow", "hang"]
+_PREFIXES: tuple[tuple[str, Action], ...] = (("slow_", "slow"), ("hang_", "hang"))
+_GRAMMAR = (
+    "expected point@step, slow_point@step=seconds or hang_point@step, with point one of "
+    f"{', '.join(POINTS)}, step a non-negative integer and seconds a number >= 0"
+)
 
-_armed: frozenset[tuple[str, int]] | None = None
+
+@dataclass(frozen=True)
+class Armed:
+    action: Action
+    seconds: float = 0.0
+    # The item as written, for the log line.
+    spec: str = ""
 
 
-def parse(spec: str) -> frozenset[tuple[str, int]]:
-    """`"mid_checkpoint@10, after_step@3"` -> {("mid_checkpoint", 10), ("after_step", 3)}."""
-    armed = set()
+_armed: dict[tuple[str, int], Armed] | None = None
+# Set by nothing: `hang` waits on it forever (a unit test swaps in one it can set).
+_never = threading.Event()
+
+
+def parse(spec: str) -> dict[tuple[str, int], Armed]:
+    """`"mid_checkpoint@10, slow_before_step@3=6"` ->
+    {("mid_checkpoint", 10): kill, ("before_step", 3): slow for 6 s}."""
+    armed: dict[tuple[str, int], Armed] = {}
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
-        name, at, step = item.partition("@")
-        name = name.strip()
-        if name not in POINTS or not at or not step.strip().isdigit():
-            raise ValueError(
-                f"failpoint {item!r}: expected name@step with name one of {', '.join(POINTS)} "
-                "and step a non-negative integer"
-            )
-        armed.add((name, int(step)))
-    return frozenset(armed)
+        where, what = _parse_item(item)
+        if where in armed:
+            raise ValueError(f"failpoint {item!r}: {where[0]}@{where[1]} is armed twice")
+        armed[where] = what
+    return armed
+
+
+def _parse_item(item: str) -> tuple[tuple[str, int], Armed]:
+    bad = ValueError(f"failpoint {item!r}: {_GRAMMAR}")
+    name, at, rest = item.partition("@")
+    step, equals, value = rest.partition("=")
+    name, step = name.strip(), step.strip()
+    action: Action = "kill"
+    for prefix, kind in _PREFIXES:
+        if name.startswith(prefix):
+            name, action = name.removeprefix(prefix), kind
+    if name not in POINTS or not at or not step.isdigit() or (action == "slow") != bool(equals):
+        raise bad
+    seconds = 0.0
+    if action == "slow":
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise bad from None
+        if not 0 <= seconds < math.inf:
+            raise bad
+    return (name, int(step)), Armed(action=action, seconds=seconds, spec=item)
 
 
 def arm(spec: str) -> None:
@@ -49,11 +103,20 @@ def arm(spec: str) -> None:
 
 
 def hit(name: str, step: int) -> None:
-    """SIGKILL this process when `name@step` is armed; nothing otherwise."""
+    """Kill, slow or hang here when `name@step` is armed; nothing otherwise."""
     global _armed
     if _armed is None:
         from worker.settings import get_settings  # read once, on the first hit
 
-        _armed = parse(get_settings().failpoints)
-    if (name, step) in _armed:
+        _armed = parse(get_settings().test_failpoints)
+    armed = _armed.get((name, step))
+    if armed is None:
+        return
+    if armed.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif armed.action == "slow":
+        log.warning("failpoint %s: sleeping %.1f s in this thread", armed.spec, armed.seconds)
+        time.sleep(armed.seconds)
+    else:
+        log.warning("failpoint %s: hanging this thread forever", armed.spec)
+        _never.wait()

@@ -119,7 +119,7 @@ def _train_and_finish(
             reporter=reporter,
             device=device,
             stop_requested=stop_requested,
-            restore_rng=settings.restore_rng,
+            restore_rng=not settings.test_skip_rng_restore,
         )
     except Superseded:
         log.info("%s was superseded; stopping without writing", where)

@@ -36,21 +36,39 @@ class WorkerSettings(BaseSettings):
     # reports it spooled (and the finish) before it gives up and leaves them on disk for the
     # next worker process on this machine to send.
     spool_flush_seconds: float = 300.0
-    # Fault injection for tests only (see worker/failpoint.py): "name@step,...". Empty in
-    # production.
-    failpoints: str = ""
-    # Exists only so tests can prove that restoring the RNG matters (the negative control of
-    # the bit-exact resume test): False leaves the random streams unrestored on resume, so a
-    # resumed run with dropout differs from an uninterrupted one. Never set it in production.
-    restore_rng: bool = True
+    # Test knobs: `test_*` settings are refused unless TRAINCTL_TESTING=1, so that a variable
+    # left in a production environment stops the worker at start instead of killing it
+    # mid-phase or training it inexactly.
+    testing: bool = False
+    # Fault injection (worker/failpoint.py): "point@step,slow_point@step=seconds,...".
+    test_failpoints: str = ""
+    # The negative control of the bit-exact resume test, to prove that restoring the RNG
+    # matters: True leaves the random streams unrestored on resume, so a resumed run with
+    # dropout differs from an uninterrupted one.
+    test_skip_rng_restore: bool = False
 
-    @field_validator("failpoints")
+    @field_validator("test_failpoints")
     @classmethod
     def _parse_failpoints(cls, value: str) -> str:
         from worker.failpoint import parse
 
         parse(value)  # fail fast on a typo: a test that arms nothing proves nothing
         return value
+
+    @model_validator(mode="after")
+    def _test_knobs_only_when_testing(self) -> WorkerSettings:
+        knobs = {
+            "TRAINCTL_TEST_FAILPOINTS": bool(self.test_failpoints),
+            "TRAINCTL_TEST_SKIP_RNG_RESTORE": self.test_skip_rng_restore,
+        }
+        if not self.testing and (set_knobs := [name for name, on in knobs.items() if on]):
+            names = " and ".join(set_knobs)
+            what = "is a test knob" if len(set_knobs) == 1 else "are test knobs"
+            raise ValueError(
+                f"{names} {what}, refused because TRAINCTL_TESTING is not 1: unset it in this "
+                "environment (a test that means it sets TRAINCTL_TESTING=1 too)"
+            )
+        return self
 
     @field_validator("home")
     @classmethod

@@ -256,7 +256,7 @@ def train_phase(
         if restore_rng:
             set_rng_state(inside.rng)
         else:
-            log.warning("not restoring the RNG (TRAINCTL_RESTORE_RNG=false): inexact resume")
+            log.warning("not restoring the RNG (TRAINCTL_TEST_SKIP_RNG_RESTORE): inexact resume")
     start = inside.state.step if inside is not None else offset
     tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
     resumed_from = None

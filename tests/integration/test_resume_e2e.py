@@ -2,9 +2,10 @@
 `POST /runs/{id}/resume` (or handed back after SIGTERM), ends bit-identical to an uninterrupted
 run of the same workflow on CPU — weights, optimizer state, learning rate and every step's loss.
 
-The instants are armed with TRAINCTL_FAILPOINTS, which makes the worker SIGKILL itself at that
-point: the same as an external SIGKILL landing exactly there. Dropout is on, so a resume that
-did not restore the RNG would differ (the negative control proves that it does).
+The instants are armed with TRAINCTL_TEST_FAILPOINTS (a test knob: with TRAINCTL_TESTING=1),
+which makes the worker SIGKILL itself at that point: the same as an external SIGKILL landing
+exactly there. Dropout is on, so a resume that did not restore the RNG would differ (the
+negative control proves that it does).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def kill_and_resume(
     stack: Stack, api: httpx.Client, body: dict[str, Any], failpoint: str, **resume_env: str
 ) -> tuple[dict[str, Any], Proc]:
     """Submit, let a worker armed with `failpoint` die there, then resume on a clean worker."""
-    doomed = stack.worker(**WORKER_ENV, TRAINCTL_FAILPOINTS=failpoint)
+    doomed = stack.worker(**WORKER_ENV, TRAINCTL_TESTING="1", TRAINCTL_TEST_FAILPOINTS=failpoint)
     created = api.post("/runs", json=body)
     assert created.status_code == 201, created.text
     assert doomed.popen.wait(timeout=180) == -signal.SIGKILL, doomed.tail()
@@ -111,7 +112,12 @@ def test_resume_without_rng_restore_differs(tmp_path: Path, postgres_url: str) -
         stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
         with stack.api() as api:
             resumed, worker = kill_and_resume(
-                stack, api, body, INSTANTS["right_after_checkpoint"], TRAINCTL_RESTORE_RNG="false"
+                stack,
+                api,
+                body,
+                INSTANTS["right_after_checkpoint"],
+                TRAINCTL_TESTING="1",
+                TRAINCTL_TEST_SKIP_RNG_RESTORE="true",
             )
             reference = reference_run(api, body, worker)
             weights, _ = final_state(resumed)
