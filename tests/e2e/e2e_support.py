@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,7 +85,8 @@ class ReportingWorker:
 
     def __init__(self, url: str, token: str, attempt_id: str) -> None:
         self.attempt_id = attempt_id
-        self.fencing_token: int | None = None
+        self.fencing_token: str | None = None
+        self.artifact_dir: str | None = None  # from the claim: checkpoints go under it
         self.client = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30
         )
@@ -95,8 +97,11 @@ class ReportingWorker:
         return dict(response.json())
 
     def claim(self) -> dict[str, Any]:
-        claim = self.post("claim", {"hostname": "e2e-gpu-1", "pid": 4242})
+        claim = self.post(
+            "claim", {"hostname": "e2e-gpu-1", "pid": 4242, "nonce": uuid.uuid4().hex}
+        )
         self.fencing_token = claim["fencing_token"]
+        self.artifact_dir = claim["artifact_dir"]
         return claim
 
     def metrics(self, points: list[dict[str, Any]]) -> None:
@@ -107,7 +112,7 @@ class ReportingWorker:
 
     def checkpoint(self, step: int, phase_index: int, phase_step: int) -> None:
         ref = {
-            "path": f"/artifacts/e2e/step-{step:08d}",
+            "path": f"{self.artifact_dir}/checkpoints/step-{step:08d}",
             "step": step,
             "phase_index": phase_index,
             "phase_step": phase_step,
