@@ -5,7 +5,9 @@ uninterrupted run would, losing no attempt to the service's own deafness."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -95,3 +97,59 @@ def test_a_service_down_for_three_leases_loses_no_attempt_and_no_report(
             assert_each_step_once(api, run)
             assert "granted 1 running leases" in restarted.log.read_text()
             assert_identical_runs(api, run, reference_run(api, body, worker))
+
+
+def failpoints(spec: str) -> dict[str, str]:
+    """The worker environment that arms `spec` (worker/failpoint.py; test knobs only)."""
+    return {"TRAINCTL_TESTING": "1", "TRAINCTL_TEST_FAILPOINTS": spec}
+
+
+def test_a_step_longer_than_three_leases_keeps_its_lease(tmp_path: Path, postgres_url: str) -> None:
+    """The lease is renewed from the worker's keeper thread, not from the training loop: one
+    step that takes three leases (a slow device, a long gradient accumulation) keeps it."""
+    lease = 2
+    env = {"TRAINCTL_LEASE_SECONDS": str(lease), "TRAINCTL_REAPER_INTERVAL_SECONDS": "0.5"}
+    body = {"workflow": workflow("continued_pretrain", steps=6)}
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **env)
+        worker = stack.worker(**WORKER_ENV, **failpoints(f"slow_before_step@3={3 * lease}"))
+        with stack.api() as api:
+            run_id = api.post("/runs", json=body).json()["id"]
+            run = wait_for_run(api, run_id, timeout=180, procs=[worker])
+            assert run["status"] == "succeeded", run
+            assert [a["status"] for a in run["attempts"]] == ["succeeded"]
+            assert run["preemptions"] == 0
+        assert "slow_before_step@3" in worker.log.read_text()
+
+
+def test_a_hung_worker_is_detected_by_its_stalled_progress_and_its_phase_recovered(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A worker that hangs (not dies) keeps heartbeating from its keeper thread, so its lease
+    never lapses; its progress does not move, so after TRAINCTL_STALL_SECONDS the service
+    gives the phase to another worker, which finishes it."""
+    env = {
+        "TRAINCTL_LEASE_SECONDS": "2",
+        "TRAINCTL_REAPER_INTERVAL_SECONDS": "0.5",
+        "TRAINCTL_STALL_SECONDS": "6",
+    }
+    body = {"workflow": workflow("continued_pretrain", steps=6)}
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **env)
+        hung = stack.worker(**WORKER_ENV, **failpoints("hang_before_step@3"))
+        with stack.api() as api:
+            run_id = api.post("/runs", json=body).json()["id"]
+            wait_until(
+                lambda: "hang_before_step@3" in hung.log.read_text(),
+                timeout=120,
+                what="the worker to hang",
+            )
+            healthy_worker = stack.worker(**WORKER_ENV)
+            run = wait_for_run(api, run_id, timeout=180, procs=[healthy_worker])
+            assert run["status"] == "succeeded", run
+            first, second = run["attempts"]
+            assert (first["status"], first["cause"]) == ("lost", "stalled"), first
+            assert first["worker_pid"] == hung.pid and hung.alive()  # hung, not dead
+            assert (second["status"], second["worker_pid"]) == ("succeeded", healthy_worker.pid)
+            assert run["preemptions"] == 1
+        os.killpg(hung.pid, signal.SIGKILL)  # its training thread never returns
