@@ -43,14 +43,12 @@ def grant_grace(
     session_factory: sessionmaker[Session],
     now: datetime,
     lease_seconds: float,
-    stall_seconds: float,
+    stall_seconds: float | None,
 ) -> int:
     """Give every running attempt one lease period from `now` before its lease or its stall
     clock may run out (see the module docstring). Two conditional UPDATEs, one transaction;
     a lease that already runs longer is left alone. Returns how many leases were extended."""
     grace_end = lease_end(now, lease_seconds)
-    # A stall is judged when progress_at <= now - stall_seconds: this moves that a lease on.
-    stall_floor = grace_end - timedelta(seconds=stall_seconds)
     running = Attempt.status == AttemptStatus.RUNNING.value
     with session_factory() as session:
         extended = rowcount(
@@ -61,12 +59,15 @@ def grant_grace(
                 .execution_options(synchronize_session=False)
             )
         )
-        session.execute(
-            update(Attempt)
-            .where(running, Attempt.progress_at < stall_floor)
-            .values(progress_at=stall_floor)
-            .execution_options(synchronize_session=False)
-        )
+        if stall_seconds is not None:
+            # A stall is judged when progress_at <= now - stall_seconds: not within the grace.
+            stall_floor = grace_end - timedelta(seconds=stall_seconds)
+            session.execute(
+                update(Attempt)
+                .where(running, Attempt.progress_at < stall_floor)
+                .values(progress_at=stall_floor)
+                .execution_options(synchronize_session=False)
+            )
         session.commit()
     return extended
 
@@ -190,7 +191,7 @@ class Reaper(Periodic):
                     session_factory=self.session_factory,
                     now=now,
                     lease_seconds=self.lease_seconds,
-                    stall_seconds=self.stall_seconds or 0.0,
+                    stall_seconds=self.stall_seconds,
                 )
                 self.owes_grace = False
                 self.graces += 1
