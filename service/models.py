@@ -150,7 +150,7 @@ class Run(Base):
     # SHA-256 of the request that used idempotency_key: the same key with another body is a
     # conflict, not a replay.
     request_sha256: Mapped[str | None] = mapped_column(String(64))
-    # Budgets, counted from the run's attempts (service.attempt.budget_use): errors with cause
+    # Budgets, counted from the run's attempts (service.lifecycle.budget_use): errors with cause
     # `infrastructure` against max_restarts; preemptions and lost workers against
     # max_preemptions. Other causes (data, nan, oom, config, ...) are never retried blindly.
     max_restarts: Mapped[int]
@@ -236,7 +236,7 @@ class MetricPoint(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(MAX_NAME), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True)
-    # Non-finite points are refused per item (service.attempt.point_error); NULL is left only
+    # Non-finite points are refused per item (service.report.point_error); NULL is left only
     # in rows stored before that, when NaN and inf were kept as NULL.
     value: Mapped[float | None] = mapped_column(Float)
     attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.dispatch import DEFAULT_QUEUE
@@ -26,7 +26,9 @@ class WorkerSettings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # None leaves torch's default (one thread per core).
     torch_threads: int | None = None
-    heartbeat_seconds: float = 5.0
+    # How often the lease keeper renews the attempt's lease (and the loop flushes buffered
+    # metric points): well under the service's TRAINCTL_LEASE_SECONDS.
+    heartbeat_seconds: float = Field(default=5.0, gt=0)
     # Log lines as text or as one JSON object per line; both carry run_id and attempt_id.
     log_format: LogFormat = "text"
     log_level: str = "INFO"
