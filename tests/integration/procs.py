@@ -141,3 +141,28 @@ class Stack:
         )
         self.procs.append(proc)
         return proc
+
+
+def wait_until(predicate: Any, *, timeout: float, what: str) -> Any:
+    """Poll `predicate` every 0.1 s until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def assert_each_step_once(api: httpx.Client, run: dict[str, Any]) -> None:
+    """Every metric series of `run` holds each of its steps exactly once."""
+    metrics = api.get(f"/runs/{run['id']}/metrics").json()
+    for name, column in metrics.items():
+        assert column["steps"] == list(range(1, run["total_steps"] + 1)), name

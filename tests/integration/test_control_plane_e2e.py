@@ -10,12 +10,19 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from exact import assert_identical_runs, reference_run, workflow
-from procs import Proc, Stack, processes, wait_for_run
+from procs import (
+    Proc,
+    Stack,
+    assert_each_step_once,
+    healthy,
+    processes,
+    wait_for_run,
+    wait_until,
+)
 
 from cli.stack import free_port
 
@@ -26,35 +33,12 @@ SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": str(LEASE), "TRAINCTL_REAPER_INTERVAL_S
 WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
 
 
-def wait_until(predicate: Any, *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 def counter(port: int, name: str) -> float:
     """A counter of the worker's Prometheus metrics."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     found = re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE)
     assert found, f"{name} not in the worker's metrics"
     return float(found.group(1))
-
-
-def assert_each_step_once(api: httpx.Client, run: dict[str, Any]) -> None:
-    metrics = api.get(f"/runs/{run['id']}/metrics").json()
-    for name, column in metrics.items():
-        assert column["steps"] == list(range(1, run["total_steps"] + 1)), name
 
 
 def test_a_service_down_for_three_leases_loses_no_attempt_and_no_report(

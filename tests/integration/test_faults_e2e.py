@@ -16,7 +16,15 @@ import httpx
 import psycopg
 import pytest
 from exact import assert_identical_runs, reference_run, workflow
-from procs import Proc, Stack, processes, wait_for_run
+from procs import (
+    Proc,
+    Stack,
+    assert_each_step_once,
+    healthy,
+    processes,
+    wait_for_run,
+    wait_until,
+)
 
 from cli.stack import free_port
 
@@ -25,16 +33,6 @@ pytestmark = pytest.mark.integration
 # Short leases and a busy reaper so that a lost worker is noticed within seconds.
 SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": "3", "TRAINCTL_REAPER_INTERVAL_SECONDS": "1"}
 WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
-
-
-def wait_until(predicate: Any, *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def current_attempt(api: httpx.Client, run_id: str) -> dict[str, Any]:
@@ -48,12 +46,6 @@ def running_on(api: httpx.Client, run_id: str, workers: list[Proc]) -> Proc | No
     if attempt["status"] != "running":
         return None
     return next((w for w in workers if w.pid == attempt["worker_pid"]), None)
-
-
-def assert_each_step_once(api: httpx.Client, run: dict[str, Any]) -> None:
-    metrics = api.get(f"/runs/{run['id']}/metrics").json()
-    for name, column in metrics.items():
-        assert column["steps"] == list(range(1, run["total_steps"] + 1)), name
 
 
 def test_workers_killed_at_random_moments_are_replaced_and_nothing_is_lost(
@@ -211,20 +203,13 @@ def test_the_service_restarted_mid_run_loses_no_report(tmp_path: Path, postgres_
         )
         procs.append(restarted)
         with stack.api() as api:
-            wait_until(lambda: _healthy(stack.url), timeout=60, what="the restarted service")
+            wait_until(lambda: healthy(stack.url), timeout=60, what="the restarted service")
             run = wait_for_run(api, run_id, timeout=300, procs=[worker, restarted])
             assert run["status"] == "succeeded", run
             assert [a["status"] for a in run["attempts"]] == ["succeeded"]
             assert_each_step_once(api, run)
             evals = api.get(f"/runs/{run_id}/eval").json()["tasks"]["continued_pretrain"]
             assert [p["step"] for p in evals["history"]] == list(range(0, 41, 4))
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _set_connections(admin_url: str, database: str, *, allowed: bool) -> None:

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import socket
-import time
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -16,19 +15,9 @@ from typing import Any
 import httpx
 import pytest
 from exact import workflow
-from procs import processes, run_cli, start_api, wait_for_run
+from procs import processes, run_cli, start_api, wait_for_run, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def wait_until(predicate: Any, *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def running_attempt(api: httpx.Client, run_id: str, *, after_step: int) -> dict[str, Any] | None:
