@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from service.db import downgrade_database, make_engine, upgrade_database
 from service.models import Base
@@ -24,6 +24,7 @@ TABLES = {
     "outbox",
     "api_tokens",
     "jobs",
+    "workers",
 }
 
 
@@ -62,3 +63,96 @@ def test_migrations_upgrade_downgrade_upgrade_on_postgres(empty_postgres_url: st
 
 def test_migrations_upgrade_downgrade_upgrade_on_sqlite(tmp_path: Path) -> None:
     assert_up_down_up(f"sqlite:///{tmp_path / 'nested' / 'trainctl.db'}")
+
+
+def fill_0003(url: str) -> None:
+    """One run with an attempt, a metric point, an eval, a checkpoint and an outbox row, as a
+    database at revision 0003 holds them."""
+    engine = make_engine(url)
+    now = "2026-11-30 12:00:00"
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO workflows (id, name, spec, created_at) "
+                    "VALUES ('w1', 'w', '{}', :now)"
+                ),
+                {"now": now},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO runs (id, workflow_id, name, status, signature, "
+                    "signature_components, plan, phase_index, step, total_steps, max_restarts, "
+                    "max_preemptions, created_at, updated_at) VALUES ('run_1', 'w1', 'r', "
+                    "'running', 's', '{}', '{}', 0, 4, 10, 3, 3, :now, :now)"
+                ),
+                {"now": now},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO attempts (id, run_id, number, phase_index, status, "
+                    "fencing_token) VALUES ('att_1', 'run_1', 1, 0, 'running', 1)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO metrics (run_id, name, step, value, attempt_id) "
+                    "VALUES ('run_1', 'loss', 4, 1.5, 'att_1')"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO evals (run_id, task, step, attempt_id, phase, cross_entropy, "
+                    "perplexity, records, target_tokens, oversized_records) VALUES ('run_1', "
+                    "'qa', 4, 'att_1', 'p', 1.0, 2.7, 3, 30, 0)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO checkpoints (run_id, attempt_id, step, phase_index, "
+                    "phase_step, path, created_at) VALUES ('run_1', 'att_1', 4, 0, 4, "
+                    "'/a/step-00000004', :now)"
+                ),
+                {"now": now},
+            )
+            conn.execute(
+                text("INSERT INTO outbox (attempt_id, created_at) VALUES ('att_1', :now)"),
+                {"now": now},
+            )
+    finally:
+        engine.dispose()
+
+
+def row_counts(url: str) -> dict[str, int]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return {
+                table: int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
+                for table in ("runs", "attempts", "metrics", "evals", "checkpoints", "outbox")
+            }
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_upgrading_a_database_with_runs_keeps_every_row(
+    database: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """0004 rebuilds the attempts table on SQLite; its rows and every row that references
+    them (metrics, evals, checkpoints, outbox) must survive, there and back."""
+    url = (
+        f"sqlite:///{tmp_path / 'trainctl.db'}"
+        if database == "sqlite"
+        else request.getfixturevalue("empty_postgres_url")
+    )
+    upgrade_database(url, "0003")
+    fill_0003(url)
+    before = row_counts(url)
+    assert set(before.values()) == {1}
+    upgrade_database(url)
+    assert row_counts(url) == before
+    downgrade_database(url, "0003")
+    assert row_counts(url) == before
+    upgrade_database(url)
+    assert row_counts(url) == before
