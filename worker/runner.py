@@ -5,6 +5,7 @@ This is what the Celery task calls; it is plain Python, testable without Celery 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -40,8 +41,11 @@ def run_attempt(
     settings: WorkerSettings,
     client: ServiceClient | None = None,
     stop_requested: Callable[[], bool] = _never,
+    delivery: str | None = None,
 ) -> PhaseOutcome | None:
-    """Claim and train attempt `attempt_id`, then report how it ended (`finish`). Returns the
+    """Claim and train attempt `attempt_id`, then report how it ended (`finish`). `delivery`
+    names the message being handled (the Celery task id, the same across its retries): every
+    claim this process makes for it carries the same nonce (`claim_request`). Returns the
     phase's outcome, or None when it did not train to an end: the attempt was not ours to run
     (a duplicate message), it was superseded, or it failed (reported with its cause).
     Raises `ServiceUnavailable` when the service cannot be reached to claim, or to finish
@@ -52,12 +56,7 @@ def run_attempt(
     client = client or ServiceClient.from_settings(settings)
     try:
         drain_spools(client, settings.spool_dir)
-        # One nonce per claim, sent again by every retry of it: a retry whose first try won
-        # gets the same claim back.
-        request = ClaimRequest(
-            hostname=socket.gethostname(), pid=os.getpid(), nonce=secrets.token_hex(16)
-        )
-        claim = client.claim(attempt_id, request)
+        claim = client.claim(attempt_id, claim_request(delivery))
         if claim is None:
             log.info(
                 "attempt %s is already claimed or superseded; dropping the message", attempt_id
@@ -67,6 +66,20 @@ def run_attempt(
     finally:
         if own_client:
             client.close()
+
+
+def claim_request(delivery: str | None) -> ClaimRequest:
+    """This process's claim for message `delivery`. Its nonce is the same for every retry of
+    that message in this process (the client's retries, and Celery's after a claim whose
+    answers were all lost), so a retry whose first try won gets the same claim back; another
+    process handed the same message (a redelivery) sends another nonce and is refused, so two
+    processes never hold one claim. Without `delivery`, a random nonce (one try only)."""
+    hostname, pid = socket.gethostname(), os.getpid()
+    if delivery is None:
+        nonce = secrets.token_hex(16)
+    else:
+        nonce = hashlib.sha256(f"{delivery}|{hostname}|{pid}".encode()).hexdigest()[:32]
+    return ClaimRequest(hostname=hostname, pid=pid, nonce=nonce)
 
 
 def _run_claimed(

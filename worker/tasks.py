@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from celery import Task
 from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutting_down
 
@@ -42,17 +43,24 @@ def _on_worker_ready(**_: Any) -> None:
 @app.task(
     name=RUN_PHASE_TASK,
     shared=False,
+    bind=True,
     autoretry_for=(ServiceUnavailable,),
     retry_backoff=30,
     retry_backoff_max=600,
     max_retries=8,
 )
-def run_phase(attempt_id: str) -> None:
+def run_phase(self: Task, attempt_id: str) -> None:
     if _preempted.is_set():
         # A worker that received its preemption notice may still be handed one more message
         # while it drains; claiming it would only preempt it again. Back to the queue with it.
         raise Reject(f"attempt {attempt_id}: this worker is shutting down", requeue=True)
-    run_attempt(attempt_id, settings=app.settings, stop_requested=_preempted.is_set)
+    # The task id is the same across Celery's retries of this message: the claim's nonce too.
+    run_attempt(
+        attempt_id,
+        settings=app.settings,
+        stop_requested=_preempted.is_set,
+        delivery=self.request.id,
+    )
 
 
 def _run_job(kind: JobKind, job_id: str, request: dict[str, Any]) -> None:

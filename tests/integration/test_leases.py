@@ -5,6 +5,7 @@ gives leases it could not hear."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,8 @@ from service.auth import create_token
 from service.lease import lease_end
 from service.models import Attempt, Run, utcnow
 from service.reaper import Reaper, reap_expired
-from worker.client import ServiceClient
+from worker.client import ServiceClient, ServiceUnavailable
+from worker.runner import claim_request
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory
@@ -117,13 +119,13 @@ class DropFirstClaimAnswer(httpx.BaseTransport):
     """Delivers the first claim to the service, then loses its answer on the way back (a
     connection reset after the service committed): the client sees a transport error."""
 
-    def __init__(self, inner: httpx.BaseTransport) -> None:
-        self.inner, self.dropped = inner, 0
+    def __init__(self, inner: httpx.BaseTransport, drops: int = 1) -> None:
+        self.inner, self.dropped, self.drops = inner, 0, drops
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = self.inner.handle_request(request)
         content = response.read()
-        if request.url.path.endswith("/claim") and not self.dropped:
+        if request.url.path.endswith("/claim") and self.dropped < self.drops:
             self.dropped += 1
             raise httpx.ReadError("connection reset by peer", request=request)
         return httpx.Response(response.status_code, headers=response.headers, content=content)
@@ -151,6 +153,30 @@ def test_a_claim_whose_answer_was_lost_is_retried_and_gets_the_same_claim(
     # The same claimant asking once more still gets the same claim; nobody else does.
     assert client.claim(attempt_id, request) == claim
     other = Claimant(api, attempt_id, api.worker, nonce="n-2")
+    assert error_code(other.claim(), 409) == "already_claimed"
+
+
+def test_a_message_retried_after_every_claim_answer_was_lost_gets_the_same_claim(
+    api: Api, tiny_workflow: WorkflowFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client gave up (every answer lost): Celery retries the task, in the same process,
+    with the same task id, so the new claim carries the same nonce and gets the claim. A
+    redelivery of the message to another process does not."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1))
+    transport = DropFirstClaimAnswer(api.client._transport, drops=2)
+    token = api.worker["Authorization"].removeprefix("Bearer ")
+    client = ServiceClient(
+        "http://testserver", token, transport=transport, retries=1, backoff_seconds=0
+    )
+    with pytest.raises(ServiceUnavailable):
+        client.claim(attempt_id, claim_request("celery-task-1"))
+    claim_request_nonce = claim_request("celery-task-1").nonce
+    claim = client.claim(attempt_id, claim_request("celery-task-1"))  # Celery's retry
+    assert claim is not None and claim.fencing_token == attempt_row(api, attempt_id).fencing_token
+    monkeypatch.setattr(os, "getpid", lambda: 99999)  # the message redelivered elsewhere
+    elsewhere = claim_request("celery-task-1")
+    assert elsewhere.nonce != claim_request_nonce
+    other = Claimant(api, attempt_id, api.worker, nonce=elsewhere.nonce)
     assert error_code(other.claim(), 409) == "already_claimed"
 
 
