@@ -22,7 +22,7 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -464,20 +464,16 @@ class Quarantined:
     reason: str
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where an attempt starts: a verified checkpoint (None: the phase's first step, from the
-    initial weights), and what had to be quarantined on the way to it."""
-
-    checkpoint: LoadedCheckpoint | None
-    quarantined: list[Quarantined]
-
-
-def select_resume_checkpoint(claim: Claim, offsets: list[int]) -> ResumePoint:
-    """The claim's `resume_from`, verified: this run's, and either inside this phase or the
-    previous phase's final checkpoint (`offsets`: each phase's first step - 1). One that fails
-    verification (corrupt, truncated, no manifest) is quarantined and the newest older usable
-    checkpoint of the same directory is used instead. A later phase without one cannot start."""
+def select_resume_checkpoint(
+    claim: Claim, offsets: list[int], *, on_quarantine: Callable[[Quarantined], object]
+) -> LoadedCheckpoint | None:
+    """The claim's `resume_from`, verified (None: the phase's first step, from the initial
+    weights): this run's, and either inside this phase or the previous phase's final checkpoint
+    (`offsets`: each phase's first step - 1). One that fails verification (corrupt, truncated,
+    no manifest) is quarantined and the newest older usable checkpoint of the same directory is
+    used instead. A later phase without one cannot start. `on_quarantine` hears of each
+    checkpoint renamed aside as soon as it is, so that the service learns of it even when no
+    older one can stand in and this raises."""
     phase_index = claim.phase_index
     if claim.resume_from is None:
         if phase_index > 0:
@@ -485,12 +481,12 @@ def select_resume_checkpoint(claim: Claim, offsets: list[int]) -> ResumePoint:
                 f"phase {phase_index} starts from the final checkpoint of phase "
                 f"{phase_index - 1}, but the claim of attempt {claim.attempt_id} names none"
             )
-        return ResumePoint(checkpoint=None, quarantined=[])
+        return None
     path = Path(claim.resume_from.path)
     try:
         loaded = load_checkpoint(path)
     except CheckpointError as err:
-        return _fall_back(path, claim.resume_from.step, err, claim, offsets)
+        return _fall_back(path, claim.resume_from.step, err, claim, offsets, on_quarantine)
     state = loaded.state
     if state.signature != claim.signature:
         raise SignatureMismatch(
@@ -505,7 +501,7 @@ def select_resume_checkpoint(claim: Claim, offsets: list[int]) -> ResumePoint:
             f"checkpoint of this phase or the final one of phase {phase_index - 1} "
             f"(step {offset})"
         )
-    return ResumePoint(checkpoint=loaded, quarantined=[])
+    return loaded
 
 
 def starts_phase(state: CheckpointState, phase_index: int, offsets: list[int]) -> bool:
@@ -524,18 +520,23 @@ def _set_aside(path: Path, step: int, err: CheckpointError) -> Quarantined:
 
 
 def _fall_back(
-    path: Path, step: int, err: CheckpointError, claim: Claim, offsets: list[int]
-) -> ResumePoint:
+    path: Path,
+    step: int,
+    err: CheckpointError,
+    claim: Claim,
+    offsets: list[int],
+    on_quarantine: Callable[[Quarantined], object],
+) -> LoadedCheckpoint:
     """Quarantine the failed checkpoint `path` (of `step`) and load the newest older one in
     its directory that verifies, is this run's and can start this phase."""
-    quarantined = [_set_aside(path, step, err)]
+    on_quarantine(_set_aside(path, step, err))
     for older_step, candidate in list_checkpoints(path.parent):
         if older_step >= step:
             continue
         try:
             loaded = load_checkpoint(candidate)
         except CheckpointError as older_err:
-            quarantined.append(_set_aside(candidate, older_step, older_err))
+            on_quarantine(_set_aside(candidate, older_step, older_err))
             continue
         state = loaded.state
         if state.signature == claim.signature and starts_phase(state, claim.phase_index, offsets):
@@ -547,7 +548,7 @@ def _fall_back(
                 path,
                 step,
             )
-            return ResumePoint(checkpoint=loaded, quarantined=quarantined)
+            return loaded
     usable = "one inside it" + (
         f", or the final one of phase {claim.phase_index - 1}" if claim.phase_index else ""
     )

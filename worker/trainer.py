@@ -241,8 +241,13 @@ def train_phase(
     model = build_model(workflow, device)
     _check_vocabulary(model, tokenizer, workflow.tokenizer)
     torch.manual_seed(phase_seed(workflow.seed, phase_index))
-    start_point = select_resume_checkpoint(claim, offsets)
-    resumed = start_point.checkpoint
+    # Each quarantine is reported as it happens, before a failure to find any usable
+    # checkpoint propagates: the service must never hand it out again.
+    resumed = select_resume_checkpoint(
+        claim,
+        offsets,
+        on_quarantine=lambda q: reporter.checkpoint_removed(q.step, "quarantined", q.reason),
+    )
     if resumed is not None:
         load_weights(model, resumed.path)
     elif claim.initial_checkpoint is not None:
@@ -268,8 +273,6 @@ def train_phase(
             phase_step=resumed.state.phase_step,
         )
         log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
-    for quarantined in start_point.quarantined:  # never to be handed out again
-        reporter.checkpoint_removed(quarantined.step, "quarantined", quarantined.reason)
 
     def evaluate(step: int, due: list[int]) -> list[EvalResult]:
         results = []

@@ -507,16 +507,25 @@ def test_without_a_usable_older_checkpoint_the_resume_fails_naming_it(
     first, second = reporter.checkpoints[:2]
     _drop_manifest(Path(first.path))
     _truncate(Path(second.path))
+    resumed = make_reporter()
     with pytest.raises(
         CheckpointError, match=r"step-00000004 \(step 4\) failed.*no older complete checkpoint"
     ):
         run(
             make_claim(workflow, artifact_dir=tmp_path / "run", resume_from=second),
             workflow,
-            make_reporter(),
+            resumed,
         )
     directory = Path(first.path).parent
     assert len(list(directory.glob("step-0000000[24].corrupt-*"))) == 2
+    # Both were renamed aside: the service hears of each before the failure, or its registry
+    # would hand them out again.
+    assert [(step, status) for step, status, _ in resumed.removals] == [
+        (4, "quarantined"),
+        (2, "quarantined"),
+    ]
+    assert "model.safetensors has" in resumed.removals[0][2]
+    assert f"no {MANIFEST}" in resumed.removals[1][2]
 
 
 def test_retention_keeps_the_resume_checkpoint_until_a_newer_one_is_registered(
