@@ -10,9 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from contracts.reports import Claim
+from contracts.reports import CheckpointRef, Claim
 from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
+from worker.checkpoint import MANIFEST
 from worker.client import ServiceClient, ServiceUnavailable
 from worker.runner import run_attempt
 from worker.settings import WorkerSettings
@@ -238,6 +239,28 @@ def test_bad_data_fails_with_cause_data_naming_file_and_line(
     (finish,) = service.of("finish")
     assert finish["cause"] == "data"
     assert f"{bad}:2: missing field 'target'" in finish["message"]
+    assert "attempt attempt-1 of run run-1, phase 0" in finish["message"]
+
+
+def test_a_corrupt_resume_checkpoint_without_a_fallback_fails_with_cause_checkpoint(
+    workflow: Workflow, make_claim: Callable[..., Claim], settings: WorkerSettings
+) -> None:
+    first = InProcessService(make_claim(workflow))
+    attempt(first, settings)
+    (registered,) = first.of("checkpoints")
+    ref = CheckpointRef.model_validate(registered["checkpoint"])
+    (Path(ref.path) / MANIFEST).unlink()  # the only checkpoint: nothing older can stand in
+
+    service = InProcessService(make_claim(workflow, resume_from=ref))
+    assert attempt(service, settings) is None
+
+    assert service.kinds() == ["claim", "removals", "finish"]
+    (removal,) = service.of("removals")
+    assert (removal["step"], removal["status"]) == (3, "quarantined")
+    assert f"no {MANIFEST}" in removal["reason"]
+    (finish,) = service.of("finish")
+    assert (finish["status"], finish["cause"], finish["step"]) == ("failed", "checkpoint", 3)
+    assert f"checkpoint {ref.path} (step 3) failed verification" in finish["message"]
     assert "attempt attempt-1 of run run-1, phase 0" in finish["message"]
 
 
