@@ -7,10 +7,11 @@ API stores a job and answers 202 with its id, a worker runs it and posts the res
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts.bounds import NUL_REPLACED
 from contracts.workflow import InspectionGate, Objective, PositiveInt
 
 JobKind = Literal["inspection", "evaluation"]
@@ -147,4 +148,4 @@ class JobOutcome(BaseModel):
 
     status: Literal["succeeded", "failed"]
     result: dict[str, Any] | None = None
-    error: str | None = Field(None, max_length=4000)
+    error: Annotated[str, Field(max_length=4000), NUL_REPLACED] | None = None

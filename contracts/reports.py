@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from contracts.bounds import MAX_COUNT, MAX_HOSTNAME, MAX_NAME, MAX_TASK, NO_NUL, NUL_REPLACED
 from contracts.signature import Digests
-from contracts.bounds import MAX_COUNT, MAX_HOSTNAME, MAX_NAME, MAX_TASK
 
 # One request may carry at most this many metric points; the reporter splits larger batches.
 MAX_POINTS_PER_BATCH = 1000
@@ -33,7 +33,7 @@ FencingToken = Annotated[str, Field(min_length=1, max_length=64)]
 
 
 class ClaimRequest(BaseModel):
-    hostname: str = Field(min_length=1, max_length=MAX_HOSTNAME)
+    hostname: Annotated[str, Field(min_length=1, max_length=MAX_HOSTNAME), NO_NUL]
     pid: int = Field(ge=1, le=MAX_COUNT)
     # Chosen by the claimant once per claim and sent again with every retry of it: a retry
     # whose first try won (its answer lost on the way) gets the same claim back.
@@ -43,7 +43,7 @@ class ClaimRequest(BaseModel):
 class CheckpointRef(BaseModel):
     """A complete checkpoint registered with the service."""
 
-    path: str
+    path: Annotated[str, NO_NUL]
     step: Step  # global step (counted over the whole run)
     phase_index: int = Field(ge=0, le=MAX_COUNT)
     phase_step: Step
@@ -104,9 +104,9 @@ class MetricBatch(BaseModel):
 class EvalResult(BaseModel):
     """One task's evaluation at one step: token-weighted, target-only cross-entropy."""
 
-    task: str = Field(max_length=MAX_TASK)
+    task: Annotated[str, Field(max_length=MAX_TASK), NO_NUL]
     step: Step
-    phase: str = Field(max_length=MAX_NAME)
+    phase: Annotated[str, Field(max_length=MAX_NAME), NO_NUL]
     cross_entropy: float
     perplexity: float
     records: Count
@@ -129,7 +129,7 @@ class Finish(BaseModel):
     status: Literal["succeeded", "failed", "preempted", "paused"]
     step: Step
     cause: FailureCause | None = None
-    message: str | None = None
+    message: Annotated[str, NUL_REPLACED] | None = None
 
 
 class Accepted(BaseModel):
@@ -161,7 +161,7 @@ class CheckpointRemoval(BaseModel):
     fencing_token: FencingToken
     step: Step
     status: RemovalStatus
-    reason: str = Field(min_length=1, max_length=MAX_REMOVAL_REASON)
+    reason: Annotated[str, Field(min_length=1, max_length=MAX_REMOVAL_REASON), NUL_REPLACED]
 
 
 class CheckpointRegistered(BaseModel):

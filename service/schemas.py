@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from contracts.bounds import MAX_COUNT, MAX_ID, MAX_NAME, SHA256_HEX
+from contracts.bounds import MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
 from contracts.workflow import Plan
 from service.lifecycle import RunStatus
 
@@ -54,7 +54,7 @@ class RunCreate(BaseModel):
     workflow: dict[str, Any] | None = None
     workflow_id: str | None = Field(None, min_length=1, max_length=SHA256_HEX)
     initial_checkpoint: InitialCheckpointIn | None = None
-    name: str | None = Field(None, min_length=1, max_length=MAX_NAME)
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL] | None = None
     # New attempts after errors with cause `infrastructure`; default TRAINCTL_MAX_RESTARTS.
     max_restarts: int | None = Field(None, ge=0, le=MAX_BUDGET)
     # New attempts after preemptions and lost workers; default TRAINCTL_MAX_PREEMPTIONS.

@@ -41,6 +41,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from contracts.bounds import MAX_COUNT
 from service.deps import Credentials, require_admin
 from service.errors import is_unavailable
 from service.lifecycle import FINISHED_RUN, phase_start
@@ -266,10 +267,10 @@ def read_events(
     request: Request,
     credentials: Credentials,
     metrics_after: Annotated[
-        int, Query(ge=-1, description="send metric points after this step only")
+        int, Query(ge=-1, le=MAX_COUNT, description="send metric points after this step only")
     ] = -1,
     evals_after: Annotated[
-        int, Query(ge=-1, description="send evaluations after this step only")
+        int, Query(ge=-1, le=MAX_COUNT, description="send evaluations after this step only")
     ] = -1,
     names: Annotated[
         str | None,

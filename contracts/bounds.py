@@ -1,0 +1,51 @@
+"""The sizes of the columns that what clients and workers send is stored in.
+
+Request models bound their fields with these (`Field(max_length=..., le=...)`) and the tables
+(service/models.py) are declared with them, so a value that passes validation fits its column
+on every database. SQLite stores an over-long string, a 33-bit integer or a NUL character
+without a word; Postgres refuses all three, and the API must answer that with 422 naming the
+field, never 500.
+"""
+
+from __future__ import annotations
+
+from pydantic import AfterValidator
+from pydantic_core import PydanticCustomError
+
+# Integer columns are 32-bit: steps, counts, pids, budgets, phase indices.
+MAX_COUNT = 2**31 - 1
+# String(200): run, workflow, phase and metric names, Idempotency-Key.
+MAX_NAME = 200
+# String(255): worker hostnames (a DNS name is at most 253 characters).
+MAX_HOSTNAME = 255
+# String(64): the task an evaluation is stored under.
+MAX_TASK = 64
+# String(32): run, attempt, job and token ids.
+MAX_ID = 32
+# String(64): SHA-256 hex digests (workflow ids, signatures).
+SHA256_HEX = 64
+
+
+def refuse_nul(value: str) -> str:
+    """A string a text column can hold: Postgres refuses NUL (U+0000) in text, SQLite keeps it.
+    JSON columns need no such check: NUL travels in them escaped (\\u0000)."""
+    if "\0" in value:
+        raise PydanticCustomError(
+            "nul_character",
+            "contains a NUL character (U+0000) at position {position}, which cannot be stored",
+            {"position": value.index("\0")},
+        )
+    return value
+
+
+# Annotated[str, Field(max_length=...), NO_NUL]: a string stored in a String or Text column.
+NO_NUL = AfterValidator(refuse_nul)
+
+
+def replace_nul(value: str) -> str:
+    return value.replace("\0", "\ufffd")
+
+
+# Annotated[str, NUL_REPLACED]: a message for people (an exception's text, say), stored in a
+# Text column. A NUL in it becomes U+FFFD instead of failing the report that carries it.
+NUL_REPLACED = AfterValidator(replace_nul)
