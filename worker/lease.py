@@ -10,12 +10,19 @@ even while its keeper still beats.
 
 The keeper only heartbeats; it never touches the reporter's spool. It keeps the service's
 latest order (`continue`, `pause`, or `stop`: stop and pause stick) for the loop to read.
+
+A hung worker is not a live one: when the service says `stop` (the attempt was lost as
+stalled, or given away) and the attempt has not ended `abandon_seconds` later, the training
+thread is stuck for good, and the keeper ends the process (exit code 70, EXIT_HUNG), so that
+its supervisor starts a fresh one and the machine takes work again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Callable
 from typing import Literal
 
 from contracts.reports import Heartbeat
@@ -27,6 +34,9 @@ log = logging.getLogger(__name__)
 # stop at once and write nothing more (the attempt was superseded or the run cancelled).
 Action = Literal["continue", "pause", "stop"]
 
+# The exit code of a process that ended itself because its training thread hung.
+EXIT_HUNG = 70
+
 
 class LeaseKeeper:
     def __init__(
@@ -37,23 +47,38 @@ class LeaseKeeper:
         fencing_token: str,
         interval: float,
         step: int,
+        abandon_seconds: float | None = None,
+        exit: Callable[[int], object] = os._exit,
     ) -> None:
         self._client = client
         self._attempt_id = attempt_id
         self._token = fencing_token
         self._interval = interval
+        self._abandon_seconds = abandon_seconds
+        self._exit = exit
         self._lock = threading.Lock()  # guards the fields below
         self._beat_lock = threading.Lock()  # one heartbeat in flight at a time
         self._step = step
         self._progress = 0
         self._order: Action = "continue"
+        self._reachable = True  # whether the last heartbeat got an answer
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def interval(self) -> float:
+        return self._interval
 
     @property
     def order(self) -> Action:
         with self._lock:
             return self._order
+
+    @property
+    def reachable(self) -> bool:
+        """The last heartbeat got an answer (the service is up, as far as the keeper knows)."""
+        with self._lock:
+            return self._reachable
 
     @property
     def progress(self) -> int:
@@ -79,15 +104,20 @@ class LeaseKeeper:
                 answer = self._client.heartbeat(self._attempt_id, report)
             except ServiceUnavailable as err:
                 log.warning("heartbeat at step %d failed; training on: %s", report.step, err)
-                return self.order
+                with self._lock:
+                    self._reachable = False
+                    return self._order
             except Superseded:
                 action: Action = "stop"
             except ServiceError as err:  # a 4xx other than superseded: say so, keep trying
                 log.error("heartbeat at step %d refused: %s", report.step, err)
-                return self.order
+                with self._lock:
+                    self._reachable = True
+                    return self._order
             else:
                 action = answer.action
             with self._lock:
+                self._reachable = True
                 if self._order == "continue" or action == "stop":
                     self._order = action
                 return self._order
@@ -108,6 +138,17 @@ class LeaseKeeper:
         while not self._done.wait(self._interval):
             try:
                 if self.beat() == "stop":
-                    return  # nothing left to keep
+                    break  # nothing left to keep
             except Exception:  # an unexpected answer: logged, and the next beat still goes out
                 log.exception("heartbeat of attempt %s failed", self._attempt_id)
+        else:
+            return  # stopped by the attempt's end
+        if self._abandon_seconds is not None and not self._done.wait(self._abandon_seconds):
+            log.critical(
+                "attempt %s was told to stop %.0f s ago and has not: its training thread "
+                "hangs; ending this process (exit %d) so that a fresh one takes work",
+                self._attempt_id,
+                self._abandon_seconds,
+                EXIT_HUNG,
+            )
+            self._exit(EXIT_HUNG)

@@ -18,6 +18,7 @@ from typing import Protocol
 from contracts.reports import (
     MAX_POINTS_PER_BATCH,
     MAX_REMOVAL_REASON,
+    Accepted,
     CheckpointRef,
     CheckpointRegistered,
     CheckpointRemoval,
@@ -51,10 +52,11 @@ class Reporter(Protocol):
         registration is still queued; once the service holds it, the run's pinned steps from
         its answer (checkpoints an unfinished run starts from: retention keeps them)."""
 
-    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
-        """Report that this run's checkpoint at `step` was deleted (retention) or quarantined
-        (failed verification), after the fact; queued like every report. A refusal (the
-        checkpoint is pinned) is logged, not raised."""
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
+        """Report that this run's checkpoint at `step` is to be deleted (retention) or was
+        quarantined (failed verification); queued like every report. True once the service
+        recorded it; False when it is still queued or was refused (the checkpoint is pinned:
+        logged, not raised). Retention deletes only on True."""
 
     def check(self, step: int, *, now: bool = False) -> Action:
         """The service's latest order, as the lease keeper last heard it; with `now`, ask the
@@ -89,6 +91,7 @@ class ServiceReporter:
         spool_dir: Path,
         heartbeat_seconds: float,
         flush_seconds: float = 300.0,
+        abandon_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -108,12 +111,16 @@ class ServiceReporter:
             client,
             attempt_id=claim.attempt_id,
             fencing_token=claim.fencing_token,
-            interval=heartbeat_seconds,
+            # Three tries per lease whatever this worker was configured with: a service whose
+            # lease is shorter than our heartbeat would otherwise reap every attempt.
+            interval=min(heartbeat_seconds, claim.lease_seconds / 3),
             step=start,
+            abandon_seconds=abandon_seconds,
         )
         self.last_step: int | None = None  # the last step whose metrics were recorded
         # The pinned steps of the last checkpoint registration delivered.
         self._pinned: frozenset[int] | None = None
+        self._recorded = False  # whether the service recorded the last report delivered
 
     def start(self) -> None:
         """Start renewing the lease (from one thread, until `close`)."""
@@ -146,27 +153,32 @@ class ServiceReporter:
             return None
         return self._pinned  # from this registration's answer (`_send`)
 
-    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
         self.lease.advance()
         if self._stopped:
-            return
+            return False
         removal = CheckpointRemoval(
             fencing_token=self._token,
             step=step,
             status=status,
             reason=reason[:MAX_REMOVAL_REASON],
         )
-        self._submit([removal])
+        # Sent behind any buffered points: `_recorded` is then the removal's own answer.
+        self._recorded = False
+        return self._submit([removal]) and self._recorded
 
     def check(self, step: int, *, now: bool = False) -> Action:
         if self._stopped:
             return "stop"
         tick = self._clock()
-        if now or tick - self._last_flush >= self._heartbeat_seconds:
+        if not self.lease.reachable:
+            # The keeper's heartbeats (in their own thread) probe the service; until one gets
+            # through, trying here would only stall the loop for the client's retries.
+            action = self.lease.order
+        elif now or tick - self._last_flush >= self._heartbeat_seconds:
             self._last_flush = tick
             # The spool and the buffered points first; with `now`, a service that cannot take
-            # them would not answer the fencing check either, and each try costs the client's
-            # retries.
+            # them would not answer the fencing check either.
             delivered = self._deliver() and self._submit([])
             if not delivered:
                 log.warning("reports at step %d stay spooled: the service is unreachable", step)
@@ -215,11 +227,13 @@ class ServiceReporter:
             MetricBatch(fencing_token=self._token, points=points[i : i + MAX_POINTS_PER_BATCH])
             for i in range(0, len(points), MAX_POINTS_PER_BATCH)
         ]
-        delivered = not self._spool.entries()
+        # Behind anything spooled, and straight to the spool while the keeper cannot reach the
+        # service: the loop never waits out the client's retries for a report.
+        delivered = not self._spool.entries() and self.lease.reachable
         for report in [*batches, *reports]:
             if delivered:
                 try:
-                    self._send(report)
+                    self._send_or_drop(report)
                     continue
                 except ServiceUnavailable as err:
                     log.warning("service unreachable; spooling reports from now on: %s", err)
@@ -233,7 +247,7 @@ class ServiceReporter:
         spooled for the next try)."""
         for path in self._spool.entries():
             try:
-                self._send(self._spool.read(path))
+                self._send_or_drop(self._spool.read(path))
             except ServiceUnavailable as err:
                 left = len(self._spool.entries())
                 log.warning("service unreachable; %d reports stay spooled: %s", left, err)
@@ -242,14 +256,33 @@ class ServiceReporter:
             metrics.UNSPOOLED.inc()
         return True
 
+    def _send_or_drop(self, report: Report) -> None:
+        """Send `report`; one the service refuses for good (a 4xx other than `superseded`)
+        is logged and dropped, never retried: it would be refused again and hold back every
+        report behind it. A refused finish is raised: the runner decides what follows."""
+        try:
+            self._send(report)
+        except (ServiceUnavailable, Superseded):
+            raise
+        except ServiceError as err:
+            if isinstance(report, Finish):
+                raise
+            log.error(
+                "attempt %s: the service refused a %s report; dropped: %s",
+                self._attempt_id,
+                kind_of(report),
+                err,
+            )
+
     def _send(self, report: Report) -> None:
         try:
             answer = send_report(self._client, self._attempt_id, report)
         except Superseded:
             self._stop()
             raise
-        if answer is not None:
+        if isinstance(answer, CheckpointRegistered):
             self._pinned = frozenset(answer.pinned_steps)
+        self._recorded = answer is not None
 
     def _stop(self) -> None:
         """The attempt is no longer ours: report nothing more, drop what is spooled."""
@@ -260,10 +293,11 @@ class ServiceReporter:
 
 def send_report(
     client: ServiceClient, attempt_id: str, report: Report
-) -> CheckpointRegistered | None:
-    """Post one report; a checkpoint registration's answer is returned. Points the service
-    refuses are logged, one line each, and so is a refused checkpoint removal; they are not
-    retried (they would be refused again) and do not stop training."""
+) -> CheckpointRegistered | Accepted | None:
+    """Post one report; the answer to a checkpoint registration, or to a removal the service
+    recorded, is returned. Points the service refuses are logged, one line each, and so is a
+    refused checkpoint removal (None); they are not retried (they would be refused again) and
+    do not stop training."""
     if isinstance(report, MetricBatch):
         answer = client.metrics(
             attempt_id, fencing_token=report.fencing_token, points=report.points
@@ -283,12 +317,13 @@ def send_report(
         return client.checkpoint(attempt_id, report)
     elif isinstance(report, CheckpointRemoval):
         try:
-            client.checkpoint_removed(attempt_id, report)
+            return client.checkpoint_removed(attempt_id, report)
         except ServiceUnavailable:
             raise
         except ServiceError as err:
             # 409 `checkpoint_pinned`: a run started from it after this worker last heard the
-            # pinned steps (see worker.checkpoint.apply_retention); the registry keeps it.
+            # pinned steps; the registry keeps it, and so does retention on disk
+            # (worker.trainer.CheckpointKeeper).
             log.error(
                 "attempt %s: the service refused the %s report of step %d: %s",
                 attempt_id,

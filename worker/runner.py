@@ -21,7 +21,7 @@ from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.logs import log_context
 from worker import metrics
-from worker.client import ServiceClient, Superseded
+from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.model import select_device
 from worker.reporter import ServiceReporter, drain_spools
@@ -97,6 +97,7 @@ def _run_claimed(
         spool_dir=settings.spool_dir,
         heartbeat_seconds=settings.heartbeat_seconds,
         flush_seconds=settings.spool_flush_seconds,
+        abandon_seconds=settings.abandon_seconds,
     )
     # The lease is renewed from here to the finish, whatever the attempt is doing.
     reporter.start()
@@ -155,7 +156,19 @@ def _train_and_finish(
         log.error("%s failed (%s): %s", where, finish.cause, finish.message)
     metrics.ATTEMPTS.labels(finish.status).inc()
     try:
-        reporter.finish(finish)
+        try:
+            reporter.finish(finish)
+        except ServiceError as err:
+            if isinstance(err, ServiceUnavailable) or finish.status == "failed":
+                raise
+            # The service does not believe this ending (a `succeeded` whose final checkpoint
+            # it never got, say): end the attempt as an infrastructure failure instead, so the
+            # run recovers from its latest checkpoint now rather than after a lease.
+            log.error("%s: the service refused its %s finish: %s", where, finish.status, err)
+            reporter.finish(
+                _failed(claim, reporter, "infrastructure", f"finish refused: {err} ({where})")
+            )
+            return None
     except Superseded:
         log.info("%s was superseded before it finished", where)
         return None

@@ -38,6 +38,10 @@ class WorkerSettings(BaseSettings):
     # reports it spooled (and the finish) before it gives up and leaves them on disk for the
     # next worker process on this machine to send.
     spool_flush_seconds: float = 300.0
+    # A worker told to stop (its attempt was lost as stalled, or given away) whose attempt has
+    # not ended this long after is hung: it ends its process (exit 70) for its supervisor to
+    # start a fresh one. Longer than the slowest step or checkpoint wait.
+    abandon_seconds: float = Field(default=600.0, gt=0)
     # Test knobs: `test_*` settings are refused unless TRAINCTL_TESTING=1, so that a variable
     # left in a production environment stops the worker at start instead of killing it
     # mid-phase or training it inexactly.

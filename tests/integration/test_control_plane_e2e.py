@@ -5,9 +5,7 @@ uninterrupted run would, losing no attempt to the service's own deafness."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -111,7 +109,9 @@ def test_a_hung_worker_is_detected_by_its_stalled_progress_and_its_phase_recover
 ) -> None:
     """A worker that hangs (not dies) keeps heartbeating from its keeper thread, so its lease
     never lapses; its progress does not move, so after TRAINCTL_STALL_SECONDS the service
-    gives the phase to another worker, which finishes it."""
+    gives the phase to another worker, which finishes it. The hung worker, told to stop and
+    unable to, ends its process (exit 70) TRAINCTL_ABANDON_SECONDS later, for its supervisor
+    to replace."""
     env = {
         "TRAINCTL_LEASE_SECONDS": "2",
         "TRAINCTL_REAPER_INTERVAL_SECONDS": "0.5",
@@ -120,7 +120,9 @@ def test_a_hung_worker_is_detected_by_its_stalled_progress_and_its_phase_recover
     body = {"workflow": workflow("continued_pretrain", steps=6)}
     with processes() as procs:
         stack = Stack(tmp_path, postgres_url, procs, **env)
-        hung = stack.worker(**WORKER_ENV, **failpoints("hang_before_step@3"))
+        hung = stack.worker(
+            **WORKER_ENV, **failpoints("hang_before_step@3"), TRAINCTL_ABANDON_SECONDS="2"
+        )
         with stack.api() as api:
             run_id = api.post("/runs", json=body).json()["id"]
             wait_until(
@@ -133,7 +135,8 @@ def test_a_hung_worker_is_detected_by_its_stalled_progress_and_its_phase_recover
             assert run["status"] == "succeeded", run
             first, second = run["attempts"]
             assert (first["status"], first["cause"]) == ("lost", "stalled"), first
-            assert first["worker_pid"] == hung.pid and hung.alive()  # hung, not dead
+            assert first["worker_pid"] == hung.pid
             assert (second["status"], second["worker_pid"]) == ("succeeded", healthy_worker.pid)
             assert run["preemptions"] == 1
-        os.killpg(hung.pid, signal.SIGKILL)  # its training thread never returns
+        assert hung.popen.wait(timeout=60) == 70
+        assert "its training thread hangs" in hung.log.read_text()

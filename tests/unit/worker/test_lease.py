@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from contracts.reports import Claim
+from contracts.workflow import Workflow
 from worker.client import ServiceClient
 from worker.lease import LeaseKeeper
+from worker.reporter import ServiceReporter
 
 
 class Service:
@@ -80,8 +85,9 @@ def test_the_thread_renews_the_lease_while_the_loop_is_stuck_in_one_long_step() 
     assert {tuple(sorted(b.items())) for b in service.received} == {
         (("fencing_token", "secret"), ("progress", 0), ("step", 3))
     }
+    assert lease._thread is None  # joined: no beat can follow
     count = len(service.received)
-    assert lease.beat() == "continue" and len(service.received) == count + 1  # stopped: none
+    assert lease.beat() == "continue" and len(service.received) == count + 1
 
 
 def test_orders_stick_pause_until_the_attempt_ends_and_stop_for_good() -> None:
@@ -127,3 +133,63 @@ def test_a_refusal_other_than_superseded_is_logged_and_changes_no_order(
     with caplog.at_level(logging.ERROR):
         assert lease.beat() == "continue"
     assert "refused" in caplog.text and "forbidden" in caplog.text
+
+
+def test_a_worker_told_to_stop_that_does_not_end_its_attempt_ends_its_process() -> None:
+    """The attempt was lost as stalled: the training thread hangs, so nothing will ever close
+    the reporter. After abandon_seconds the keeper ends the process for its supervisor."""
+    service = Service(action="stop")
+    exited = threading.Event()
+    codes: list[int] = []
+
+    def exit_(code: int) -> None:
+        codes.append(code)
+        exited.set()
+
+    client = ServiceClient("http://service", "t", transport=httpx.MockTransport(service))
+    lease = LeaseKeeper(
+        client,
+        attempt_id="att_1",
+        fencing_token="secret",
+        interval=0.01,
+        step=0,
+        abandon_seconds=0.05,
+        exit=exit_,
+    )
+    lease.start()
+    assert exited.wait(10), "the keeper did not end the hung process"
+    lease.stop()
+    assert codes == [70]
+
+
+def test_an_attempt_that_stops_when_told_keeps_its_process() -> None:
+    service = Service(action="stop")
+    codes: list[int] = []
+    client = ServiceClient("http://service", "t", transport=httpx.MockTransport(service))
+    lease = LeaseKeeper(
+        client,
+        attempt_id="att_1",
+        fencing_token="secret",
+        interval=0.01,
+        step=0,
+        abandon_seconds=30,
+        exit=codes.append,
+    )
+    lease.start()
+    service.wait_for(1)
+    lease.stop()  # the loop saw the order and the attempt ended: the keeper's wait ends too
+    assert codes == []
+
+
+def test_the_keeper_beats_three_times_a_lease_whatever_the_worker_setting(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    phase = {"name": "p", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 2}
+    claim = make_claim(make_workflow([phase])).model_copy(update={"lease_seconds": 9.0})
+    client = ServiceClient("http://service", "t", transport=httpx.MockTransport(Service()))
+    slow = ServiceReporter(client, claim, spool_dir=tmp_path, heartbeat_seconds=60)
+    fast = ServiceReporter(client, claim, spool_dir=tmp_path, heartbeat_seconds=1)
+    assert (slow.lease.interval, fast.lease.interval) == (3.0, 1.0)
