@@ -29,7 +29,7 @@ FailureCause = Literal[
 ]
 
 # A claim's secret: what `secrets.token_urlsafe(24)` makes, with room to spare.
-FencingToken = Annotated[str, Field(min_length=1, max_length=64)]
+FencingToken = Annotated[str, Field(min_length=1, max_length=64), NO_NUL]
 
 
 class ClaimRequest(BaseModel):
@@ -37,7 +37,7 @@ class ClaimRequest(BaseModel):
     pid: int = Field(ge=1, le=MAX_COUNT)
     # Chosen by the claimant once per claim and sent again with every retry of it: a retry
     # whose first try won (its answer lost on the way) gets the same claim back.
-    nonce: str = Field(min_length=1, max_length=64)
+    nonce: Annotated[str, Field(min_length=1, max_length=64), NO_NUL]
 
 
 class CheckpointRef(BaseModel):
@@ -141,10 +141,10 @@ class WorkerPing(BaseModel):
     so that the service knows it is there even while it has no attempt. `pid` is the process
     that claims attempts (Celery's solo pool trains in the worker's own process)."""
 
-    hostname: str = Field(min_length=1, max_length=255)
+    hostname: Annotated[str, Field(min_length=1, max_length=MAX_HOSTNAME), NO_NUL]
     pid: int = Field(ge=1, le=MAX_COUNT)
-    version: str = Field(min_length=1, max_length=64)
-    queue: str = Field(min_length=1, max_length=200)
+    version: Annotated[str, Field(min_length=1, max_length=64), NO_NUL]
+    queue: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL]
 
 
 # A removal's reason is a sentence with a path or two in it; a longer one is cut by the worker.

@@ -144,6 +144,14 @@ def claim(t: Target, **body: Any) -> Any:
     )
 
 
+def ping(t: Target, **body: Any) -> Any:
+    return t.client.post(
+        "/internal/workers/ping",
+        json={"hostname": "gpu-1", "pid": 4242, "version": "1", "queue": "q", **body},
+        headers=t.service.worker,
+    )
+
+
 def evals(t: Target, **fields: Any) -> Any:
     result = {
         "task": "summarization",
@@ -238,8 +246,20 @@ CASES: dict[str, tuple[str, Callable[[Target], Any]]] = {
     ),
     "claim hostname": ("hostname", lambda t: claim(t, hostname="h" * 256)),
     "claim hostname with a NUL": ("hostname", lambda t: claim(t, hostname="gpu\x00")),
+    "claim nonce with a NUL": ("nonce", lambda t: claim(t, nonce="n\x00")),
     "claim pid": ("pid", lambda t: claim(t, pid=TOO_BIG)),
     "claim pid past 64 bits": ("pid", lambda t: claim(t, pid=HUGE)),
+    "fencing token with a NUL": (
+        "fencing_token",
+        lambda t: t.client.post(
+            f"/internal/attempts/{t.attempt_id}/heartbeat",
+            json={"fencing_token": "f\x00", "step": 1},
+            headers=t.service.worker,
+        ),
+    ),
+    "ping hostname": ("hostname", lambda t: ping(t, hostname="h" * 256)),
+    "ping hostname with a NUL": ("hostname", lambda t: ping(t, hostname="gpu\x00")),
+    "ping version with a NUL": ("version", lambda t: ping(t, version="1\x00")),
     "heartbeat step": ("step", lambda t: t.worker("heartbeat", {"step": TOO_BIG})),
     "eval records": ("results[0].records", lambda t: evals(t, records=TOO_BIG)),
     "eval target_tokens": ("results[0].target_tokens", lambda t: evals(t, target_tokens=TOO_BIG)),
