@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import make_url
 
 import service.digest
 from contracts.signature import sha256_path
 from service.digest import clear_digest_cache
-from service.models import Attempt, Checkpoint
+from service.models import Attempt, Checkpoint, Run, utcnow
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory
@@ -155,6 +156,37 @@ def test_submission_hashes_with_no_transaction_open(
     again = submit(api, body, key="hashing-1")
     assert again.status_code == 200, again.text
     assert again.json()["id"] == created.json()["id"]
+
+
+def test_an_initial_checkpoint_deleted_while_hashing_is_refused(
+    api: Api, tiny_workflow: WorkflowFactory, held_hash: HeldHash
+) -> None:
+    workflow = tiny_workflow(phases=1)
+    held_hash.released.set()
+    source = submit(api, {"workflow": workflow}).json()
+    register_checkpoint(api, source, 5)
+    held_hash.hold()
+
+    body = {"workflow": workflow, "initial_checkpoint": {"run": source["id"], "step": 5}}
+    answer = in_thread(lambda: submit(api, body))
+    held_hash.wait_for(1)
+    # Its worker's retention deletes it meanwhile (no run names it yet, so nothing pins it).
+    with api.sessions() as session:
+        session.execute(
+            update(Checkpoint)
+            .where(Checkpoint.run_id == source["id"], Checkpoint.step == 5)
+            .values(status="deleted", reason="retention keeps the last 2", removed_at=utcnow())
+        )
+        session.commit()
+    held_hash.released.set()
+    refused = answer()
+
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "invalid_initial_checkpoint"
+    assert error["details"]["status"] == "deleted"
+    with api.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Run)) == 1  # the source only
 
 
 def test_resume_hashes_with_no_transaction_open(
