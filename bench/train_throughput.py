@@ -87,8 +87,8 @@ class TimingReporter:
     def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
         return frozenset()  # held, nothing pinned
 
-    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
-        pass
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
+        return True  # recorded: retention deletes as it would
 
     def check(self, step: int, *, now: bool = False) -> Action:
         return "continue"

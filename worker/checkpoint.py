@@ -6,9 +6,9 @@ is renamed into place. Loading verifies the manifest first; nothing is unpickled
 tensors and values (`weights_only=True`, safetensors).
 
 Also here: which checkpoint an attempt starts from (`select_resume_checkpoint`: the claim's,
-or an older one when it fails verification and is quarantined) and which ones retention keeps
-(`apply_retention`). The worker reports every quarantine and deletion to the service, whose
-registry follows the disk.
+or an older one when it fails verification and is quarantined) and which ones retention
+deletes (`select_expired`). The worker reports every quarantine and deletion to the service,
+whose registry follows the disk.
 """
 
 from __future__ import annotations
@@ -562,28 +562,23 @@ def _fall_back(
 # --- retention ------------------------------------------------------------------------------
 
 
-def apply_retention(
+def select_expired(
     directory: Path,
     *,
     keep_last: int,
     keep_steps: Iterable[int] = (),
     newest: int | None = None,
-) -> list[Path]:
-    """Delete every checkpoint except the `keep_last` newest and those at `keep_steps` (each
-    phase's final one, which the next phase starts from; the run's pinned steps, which other
-    runs start from). With `newest` (the step just registered), only checkpoints up to it are
-    ranked or deleted: newer ones are leftovers of an attempt that died before registering
-    them, which this attempt will overwrite, and must not push the ones the service holds out
-    of `keep_last`. Returns what was deleted, for the service to hear of."""
+) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint retention deletes, newest first: all but the
+    `keep_last` newest and those at `keep_steps` (each phase's final one, which the next phase
+    starts from; the run's pinned steps, which other runs start from). With `newest` (the step
+    just registered), only checkpoints up to it are ranked or deleted: newer ones are leftovers
+    of an attempt that died before registering them, which this attempt will overwrite, and
+    must not push the ones the service holds out of `keep_last`. Deletes nothing: the caller
+    deletes each once the service recorded its deletion."""
     kept = set(keep_steps)
-    deleted = []
     ranked = [(s, p) for s, p in list_checkpoints(directory) if newest is None or s <= newest]
-    for rank, (step, path) in enumerate(ranked):
-        if rank < keep_last or step in kept:
-            continue
-        shutil.rmtree(path)
-        deleted.append(path)
-    return deleted
+    return [(s, p) for rank, (s, p) in enumerate(ranked) if rank >= keep_last and s not in kept]
 
 
 def remove_stale_temporaries(directory: Path) -> None:

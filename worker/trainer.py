@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,12 +28,11 @@ from worker import failpoint, metrics
 from worker.checkpoint import (
     CheckpointState,
     CheckpointWriter,
-    apply_retention,
     checkpoints_dir,
     publish_checkpoint,
     remove_stale_temporaries,
+    select_expired,
     select_resume_checkpoint,
-    step_of,
 )
 from worker.checkpoint import restore_rng as set_rng_state
 from worker.data import PhaseData, batch_for_step, load_phase_data
@@ -89,7 +89,8 @@ class CheckpointKeeper:
     previous one done), and only after the service confirmed that this attempt still owns the
     run (the fencing check): a "stop" met there raises _StopOrdered, a "pause" sets
     `pause_ordered`. Older checkpoints are deleted only once the service holds the new one,
-    never one the service says another run needs (pinned), and every deletion is reported."""
+    never one the service says another run needs (pinned), and each only once the service
+    recorded its deletion."""
 
     def __init__(
         self,
@@ -176,26 +177,28 @@ class CheckpointKeeper:
         log.info("checkpoint %s (phase %r, step %d)", path, self._phase.name, state.step)
 
     def _retire(self, *, newest: int, pinned: frozenset[int]) -> None:
-        """Retention, now that the service holds `newest`, and a report of each deletion.
-        Ranked up to `newest` only: unregistered leftovers of a dead attempt at later steps
-        must not push out what the service holds or what this attempt started from.
+        """Retention, now that the service holds `newest`. Ranked up to `newest` only:
+        unregistered leftovers of a dead attempt at later steps must not push out what the
+        service holds or what this attempt started from; `pinned` (the answer to this very
+        registration) is kept.
 
-        `pinned` is what the service answered to this very registration. A run created from
-        one of these checkpoints between that answer and the deletion below is not protected
-        by it: a window of one directory removal. Then the service refuses the deletion report
-        (409 `checkpoint_pinned`, logged here), so the registry still lists the checkpoint, and
-        that run fails its input verification naming the missing directory."""
-        deleted = apply_retention(
+        Each deletion is reported first and done only once the service recorded it, so the
+        registry never lists a checkpoint that is gone, and a run created from one after
+        `pinned` was answered keeps it: the service refuses that report (409
+        `checkpoint_pinned`). A report that is spooled (the service is unreachable) deletes
+        nothing now; the next registration's retention reports it again."""
+        reason = f"retention: keep_last {self._keep_last}, step {newest} registered"
+        expired = select_expired(
             self._directory,
             keep_last=self._keep_last,
             keep_steps=[*self._phase_finals, *pinned],
             newest=newest,
         )
-        for path in deleted:
-            step = step_of(path)
-            if step is not None:
-                reason = f"retention: keep_last {self._keep_last}, step {newest} registered"
-                self._reporter.checkpoint_removed(step, "deleted", reason)
+        for step, path in expired:
+            if self._reporter.checkpoint_removed(step, "deleted", reason):
+                shutil.rmtree(path)
+            else:
+                log.info("keeping checkpoint %s: the service has not recorded its deletion", path)
 
 
 def train_phase(

@@ -232,10 +232,15 @@ class RecordingReporter:
         stop_at: int | None = None,
         pause_at: int | None = None,
         pinned: Sequence[int] = (),
+        refused: Sequence[int] = (),
     ) -> None:
         self.stop_at = stop_at
         self.pause_at = pause_at
         self.pinned = frozenset(pinned)  # what every registration's answer says is pinned
+        # Deletions the service refuses (409 `checkpoint_pinned`: a run was created from the
+        # checkpoint after the registration's answer).
+        self.refused = frozenset(refused)
+        self.unreachable = False  # removals are spooled, not yet recorded by the service
         self.metrics_by_step: dict[int, dict[str, float]] = {}
         self.eval_results: list[EvalResult] = []
         self.checkpoints: list[CheckpointRef] = []
@@ -257,8 +262,9 @@ class RecordingReporter:
         self.checkpoints.append(ref)
         return self.pinned
 
-    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> None:
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
         self.removals.append((step, status, reason))
+        return not self.unreachable and not (status == "deleted" and step in self.refused)
 
     def progress(self) -> None:
         self.progress_calls += 1

@@ -20,13 +20,13 @@ from worker.checkpoint import (
     STATE,
     CheckpointState,
     CheckpointWriter,
-    apply_retention,
     capture_rng,
     find_latest_complete,
     load_checkpoint,
     publish_checkpoint,
     restore_rng,
     save_checkpoint,
+    select_expired,
     verify_checkpoint,
 )
 from worker.error import CheckpointError
@@ -239,14 +239,9 @@ def test_a_background_save_writes_only_its_own_temporary_directory(
 def test_retention_keeps_the_newest_and_each_phase_final(tmp_path: Path) -> None:
     for step in range(1, 10):
         (tmp_path / f"step-{step:08d}").mkdir()
-    deleted = apply_retention(tmp_path, keep_last=2, keep_steps=[3, 6])
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-00000003",
-        "step-00000006",
-        "step-00000008",
-        "step-00000009",
-    ]
-    assert len(deleted) == 5
+    expired = select_expired(tmp_path, keep_last=2, keep_steps=[3, 6])
+    assert [(s, p.name) for s, p in expired] == [(s, f"step-{s:08d}") for s in (7, 5, 4, 2, 1)]
+    assert len(list(tmp_path.iterdir())) == 9  # deleted by the caller, once reported
 
 
 def test_rng_capture_is_plain_data(tmp_path: Path) -> None:
@@ -259,11 +254,5 @@ def test_retention_ignores_leftovers_newer_than_the_registered_step(tmp_path: Pa
         (tmp_path / f"step-{step:08d}").mkdir()
     # 9 and 10 were written by an attempt that died before registering them; 6 was just
     # registered by the attempt that resumed from 4.
-    deleted = apply_retention(tmp_path, keep_last=2, newest=6)
-    assert [p.name for p in deleted] == ["step-00000002"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-00000004",
-        "step-00000006",
-        "step-00000009",
-        "step-00000010",
-    ]
+    expired = select_expired(tmp_path, keep_last=2, newest=6)
+    assert [p.name for _, p in expired] == ["step-00000002"]

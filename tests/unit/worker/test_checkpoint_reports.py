@@ -133,6 +133,21 @@ def test_a_refused_removal_is_logged_and_training_goes_on(
     reporter.close()
 
 
+def test_a_removal_says_whether_the_service_recorded_it(claim: Claim, tmp_path: Path) -> None:
+    """Retention deletes a directory only once the service recorded its deletion."""
+    service = Service()
+    service.refused = {4}
+    reporter = reporter_for(service, claim, tmp_path)
+    assert reporter.checkpoint_removed(2, "deleted", "retention") is True
+    assert reporter.checkpoint_removed(4, "deleted", "retention") is False  # pinned
+    service.down = True
+    assert reporter.checkpoint_removed(6, "deleted", "retention") is False  # spooled
+    service.down = False
+    assert reporter.checkpoint_removed(8, "deleted", "retention") is False  # behind the spool
+    assert service.received == ["deleted:2:retention"]
+    reporter.close()
+
+
 def test_a_removal_left_in_a_spool_is_sent_by_the_next_process(
     claim: Claim, tmp_path: Path
 ) -> None:

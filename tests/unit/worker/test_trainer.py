@@ -587,6 +587,62 @@ def test_retention_keeps_pinned_checkpoints_and_reports_each_deletion(
     assert "keep_last 2" in reporter.removals[0][2]
 
 
+def test_retention_keeps_a_checkpoint_whose_deletion_the_service_refused(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [pretrain_phase(make_text_file(), steps=8)],
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    # A run was created from step 2 after each registration's answer: the answers do not pin
+    # it, the deletion report is refused as pinned, and the directory must stay.
+    reporter = make_reporter(refused=[2])
+    run(make_claim(workflow, artifact_dir=tmp_path / "run"), workflow, reporter)
+
+    directory = checkpoints_dir(tmp_path / "run")
+    assert [s for s, _ in list_checkpoints(directory)] == [8, 6, 2]
+    # Reported before deleting: 2 at step 6's registration, 2 again and 4 at step 8's.
+    assert [step for step, _, _ in reporter.removals] == [2, 4, 2]
+
+
+def test_retention_deletes_nothing_while_its_reports_are_spooled(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [pretrain_phase(make_text_file(), steps=8)],
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    directory = checkpoints_dir(tmp_path / "run")
+    on_disk_at_registration: dict[int, list[int]] = {}
+
+    class BackAtEight(type(make_reporter())):  # type: ignore[misc]
+        """The service takes every registration but cannot be reached for the deletion
+        reports that follow step 6's: they are spooled."""
+
+        def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
+            on_disk_at_registration[ref.step] = [s for s, _ in list_checkpoints(directory)]
+            self.unreachable = ref.step < 8
+            return super().checkpoint(ref)  # type: ignore[no-any-return]
+
+    reporter = BackAtEight()
+    run(make_claim(workflow, artifact_dir=tmp_path / "run"), workflow, reporter)
+
+    # Step 2 outlived its spooled report (a worker that deleted it then died before the spool
+    # was sent would leave the registry listing a checkpoint that is gone); the retention at
+    # step 8 reported it again, and deleted it once the service recorded that.
+    assert on_disk_at_registration[8] == [8, 6, 4, 2]
+    assert [step for step, _, _ in reporter.removals] == [2, 4, 2]
+    assert [s for s, _ in list_checkpoints(directory)] == [8, 6]
+
+
 def test_a_quarantined_resume_checkpoint_is_reported_with_why(
     make_workflow: Callable[..., Workflow],
     make_claim: Callable[..., Claim],
