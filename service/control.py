@@ -70,11 +70,13 @@ def _move_run_unless_finished(session: Session, run: Run, to: RunStatus, **value
     return won == 1
 
 
-def pause_run(*, session: Session, run_id: str) -> Run:
+def pause_run(*, session: Session, run_id: str, judge_leases: bool = True) -> Run:
     """Pause a run: a queued attempt is superseded and the run is `paused` at once; a running
     one is asked to pause (`pause_requested_at`) and the run becomes `paused` when its worker
-    finishes `paused`. Repeating it changes nothing. 409 `run_finished` for a finished run.
-    Commits."""
+    finishes `paused` (or, when its lease already lapsed, at once). Without `judge_leases`
+    (the service could not hear its workers lately: service.reaper.Reaper.hearing) a lapsed
+    lease is not taken for a dead worker: the pause is requested, and the reaper settles it.
+    Repeating it changes nothing. 409 `run_finished` for a finished run. Commits."""
     run, current = _lock(session, run_id)
     if run.status in FINISHED_RUN:
         session.rollback()
@@ -83,11 +85,7 @@ def pause_run(*, session: Session, run_id: str) -> Run:
         session.rollback()
         return run
     now = utcnow()
-    if (
-        current is not None
-        and current.status == AttemptStatus.RUNNING
-        and lease_expired(current, now)
-    ):
+    if judge_leases and current is not None and lease_expired(current, now):
         # Its worker is gone: nothing will answer a pause request.
         expire_attempt(session=session, attempt=current, now=now)
     if current is not None and current.status == AttemptStatus.RUNNING:

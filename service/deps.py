@@ -34,7 +34,14 @@ def get_pump(request: Request) -> OutboxPump:
     return pump
 
 
+def leases_heard(request: Request) -> bool:
+    """Whether this process may judge a lease by its expiry now (service.reaper.Reaper)."""
+    heard: bool = request.app.state.reaper.hearing()
+    return heard
+
+
 SettingsDep = Annotated[ServiceSettings, Depends(get_settings)]
+LeasesHeardDep = Annotated[bool, Depends(leases_heard)]
 SessionDep = Annotated[Session, Depends(get_session)]
 PumpDep = Annotated[OutboxPump, Depends(get_pump)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

@@ -20,6 +20,7 @@ replica won, or the worker's report renewed the lease in time) does nothing.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -28,6 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import rowcount
+from service.errors import is_unavailable
 from service.lease import expire_attempt, lease_end
 from service.lifecycle import AttemptStatus, settle_attempt
 from service.models import Attempt, Job, OutboxMessage, Run, utcnow
@@ -98,27 +100,42 @@ def reap_expired(
     reaped = []
     for attempt_id in candidates:
         with session_factory() as session:
-            attempt = session.get(Attempt, attempt_id)
-            if attempt is None or not expire_attempt(
-                session=session, attempt=attempt, now=now, stall_seconds=stall_seconds
-            ):
+            try:
+                if _reap_one(session, attempt_id, now=now, stall_seconds=stall_seconds):
+                    reaped.append(attempt_id)
+            except SQLAlchemyError:
+                raise  # the database: the whole pass failed (Reaper.reap decides on grace)
+            except Exception:
+                # One row that cannot be settled (an inconsistent old run, a bug) must not stop
+                # every attempt queued behind it from being reaped, pass after pass.
                 session.rollback()
-                continue
-            # The attempt row is locked by the UPDATE; then the run (the protocol's order).
-            run = session.get(Run, attempt.run_id, with_for_update=True, populate_existing=True)
-            assert run is not None
-            new = settle_attempt(session=session, run=run, attempt=attempt, now=now)
-            session.commit()
-            log.warning(
-                "attempt %s (run %s, number %d) is lost (%s); %s",
-                attempt.id,
-                run.id,
-                attempt.number,
-                attempt.cause,
-                f"new attempt {new.number} queued" if new is not None else f"run is {run.status}",
-            )
-            reaped.append(attempt.id)
+                log.exception("attempt %s could not be reaped; the others go on", attempt_id)
     return reaped
+
+
+def _reap_one(
+    session: Session, attempt_id: str, *, now: datetime, stall_seconds: float | None
+) -> bool:
+    attempt = session.get(Attempt, attempt_id)
+    if attempt is None or not expire_attempt(
+        session=session, attempt=attempt, now=now, stall_seconds=stall_seconds
+    ):
+        session.rollback()
+        return False
+    # The attempt row is locked by the UPDATE; then the run (the protocol's order).
+    run = session.get(Run, attempt.run_id, with_for_update=True, populate_existing=True)
+    assert run is not None
+    new = settle_attempt(session=session, run=run, attempt=attempt, now=now)
+    session.commit()
+    log.warning(
+        "attempt %s (run %s, number %d) is lost (%s); %s",
+        attempt.id,
+        run.id,
+        attempt.number,
+        attempt.cause,
+        f"new attempt {new.number} queued" if new is not None else f"run is {run.status}",
+    )
+    return True
 
 
 def requeue_stale_jobs(
@@ -169,8 +186,9 @@ class Reaper(Periodic):
         dispatch: Callable[[], object],
         interval: float,
         lease_seconds: float,
-        stall_seconds: float | None = None,
+        stall_seconds: float,
         job_timeout: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(interval=interval)
         self.session_factory = session_factory
@@ -178,13 +196,38 @@ class Reaper(Periodic):
         self.lease_seconds = lease_seconds
         self.stall_seconds = stall_seconds
         self.job_timeout = job_timeout
-        # Set at start and after a failed pass: the service could not hear its workers.
+        self.clock = clock
+        # Set at start and after a pass that could not reach the database: the service could
+        # not hear its workers.
         self.owes_grace = True
         self.graces = 0  # how many times grace was granted (tests, logs)
+        self._last_pass: float | None = None  # `clock()` at the end of the last pass
+
+    def hearing(self) -> bool:
+        """Whether leases may be judged now: grace is not owed, and the passes keep their pace
+        (a process that was frozen, its host suspended or its threads starved, heard nobody
+        meanwhile). Pause and resume judge leases only while this holds."""
+        return not self.owes_grace and not self._deaf()
+
+    def _deaf(self) -> bool:
+        return self._last_pass is not None and self.clock() - self._last_pass > self._pace
+
+    @property
+    def _pace(self) -> float:
+        # Passes are `interval` apart; one that comes much later means a stalled process.
+        return 2 * self.interval + 1.0
 
     def reap(self, now: datetime | None = None) -> list[str]:
         """One pass at `now` (default: the current time), then dispatch what it queued."""
         now = now or utcnow()
+        if self._deaf():
+            log.warning(
+                "the reaper's last pass ended %.0f s ago (every %.1f s expected): this process "
+                "was not running, so it heard no worker meanwhile",
+                self.clock() - (self._last_pass or 0.0),
+                self.interval,
+            )
+            self.owes_grace = True
         try:
             if self.owes_grace:
                 extended = grant_grace(
@@ -201,6 +244,7 @@ class Reaper(Periodic):
                     extended,
                     self.lease_seconds,
                 )
+                self._last_pass = self.clock()
                 return []
             reaped = reap_expired(
                 session_factory=self.session_factory, now=now, stall_seconds=self.stall_seconds
@@ -211,8 +255,11 @@ class Reaper(Periodic):
         except SQLAlchemyError as err:
             # The database being down is reported by /readyz; one line per pass is enough.
             log.warning("reaper pass failed (%s); retrying in %.1f s", err, self.interval)
-            self.owes_grace = True
+            if is_unavailable(err):
+                # Reports could not be stored meanwhile either: leases went unrenewed.
+                self.owes_grace = True
             return []
+        self._last_pass = self.clock()
         if reaped or requeued:
             self.dispatch()
         return reaped

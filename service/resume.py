@@ -119,7 +119,12 @@ def _refuse(session: Session, error: ApiError) -> NoReturn:
 
 
 def resume_run(
-    *, session: Session, run_id: str, request: RunResume, data_root: Path
+    *,
+    session: Session,
+    run_id: str,
+    request: RunResume,
+    data_root: Path,
+    judge_leases: bool = True,
 ) -> tuple[Run, Attempt | None]:
     """Check the signature, then: a succeeded run is a no-op (no attempt); an active one (a
     paused one whose worker is still writing its checkpoint, too) is 409 `run_active`;
@@ -158,6 +163,10 @@ def resume_run(
             # Another attempt was added while this request waited for the locks.
             _refuse(session, _run_active(run, newest))
         if is_active(current, now):
+            _refuse(session, _run_active(run, current))
+        if current.status == AttemptStatus.RUNNING and not judge_leases:
+            # The service could not hear its workers lately: a lapsed lease proves nothing
+            # until the reaper's grace has run (service.reaper.Reaper.hearing).
             _refuse(session, _run_active(run, current))
         if current.status == AttemptStatus.RUNNING and not expire_attempt(
             session=session, attempt=current, now=now

@@ -8,7 +8,14 @@ from sqlalchemy.orm import Session
 
 from service.checkpoint import CheckpointFilter, list_checkpoints
 from service.control import cancel_run, pause_run
-from service.deps import PumpDep, RunDep, SessionDep, SettingsDep, require_admin
+from service.deps import (
+    LeasesHeardDep,
+    PumpDep,
+    RunDep,
+    SessionDep,
+    SettingsDep,
+    require_admin,
+)
 from service.lifecycle import RunStatus
 from service.models import Run
 from service.resume import resume_run
@@ -92,6 +99,7 @@ def resume(
     run: RunDep,
     session: SessionDep,
     settings: SettingsDep,
+    heard: LeasesHeardDep,
     pump: PumpDep,
     background: BackgroundTasks,
     body: Annotated[RunResume | None, Body()] = None,
@@ -105,6 +113,7 @@ def resume(
         run_id=run.id,
         request=body or RunResume(),
         data_root=settings.data_root,
+        judge_leases=heard,
     )
     if attempt is not None:
         background.add_task(pump.dispatch)
@@ -112,12 +121,14 @@ def resume(
 
 
 @router.post("/{run_id}/pause")
-def pause(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic:
+def pause(
+    run: RunDep, session: SessionDep, settings: SettingsDep, heard: LeasesHeardDep
+) -> RunPublic:
     """Pause the run. A queued attempt is superseded and the run is `paused` at once; a running
     worker is told by its next heartbeat (`pause`) to checkpoint and finish `paused`, and until
     then the run shows `pause_requested_at`. Resume continues it. Repeating is a no-op (200);
     a finished run is 409 `run_finished`."""
-    return _public(session, settings, pause_run(session=session, run_id=run.id))
+    return _public(session, settings, pause_run(session=session, run_id=run.id, judge_leases=heard))
 
 
 @router.post("/{run_id}/cancel")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 from sqlalchemy import select, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from contracts.reports import ClaimRequest
@@ -386,15 +386,17 @@ def test_the_reaper_gives_leases_a_period_of_grace_when_it_starts(
 
 
 class FailingOnce:
-    """A session factory whose next session fails like a database that went away."""
+    """A session factory whose next session fails with `error` (by default like a database
+    that went away)."""
 
     def __init__(self, sessions: Any) -> None:
         self.sessions, self.fail = sessions, False
+        self.error: Exception = OperationalError("SELECT 1", {}, Exception("connection refused"))
 
     def __call__(self) -> Session:
         if self.fail:
             self.fail = False
-            raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+            raise self.error
         session: Session = self.sessions()
         return session
 
@@ -411,6 +413,7 @@ def test_the_reaper_gives_grace_again_after_the_database_comes_back(
         dispatch=lambda: None,
         interval=1,
         lease_seconds=LEASE,
+        stall_seconds=2 * LEASE,
     )
     assert reaper.reap() == [] and reaper.graces == 1
     sessions.fail = True
@@ -433,3 +436,92 @@ def test_nothing_is_written_for_an_attempt_with_the_right_secret_but_no_claim(
     with api.sessions() as session:
         status = session.scalar(select(Attempt.status).where(Attempt.id == attempt_id))
     assert status == "queued"
+
+
+def test_a_pass_that_fails_for_another_reason_than_an_outage_owes_no_grace(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """A constraint violation or a bug is no deafness: granting grace for it, pass after pass,
+    would keep dead workers' leases alive for ever."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+    sessions = FailingOnce(api.sessions)
+    reaper = Reaper(
+        session_factory=sessions,  # type: ignore[arg-type]
+        dispatch=lambda: None,
+        interval=1,
+        lease_seconds=LEASE,
+        stall_seconds=2 * LEASE,
+    )
+    assert reaper.reap() == [] and reaper.graces == 1
+    sessions.fail = True
+    sessions.error = IntegrityError("INSERT", {}, Exception("duplicate key"))
+    assert reaper.reap() == []
+    assert reaper.hearing()
+    expire_now(api, attempt_id, seconds_ago=1)
+    assert reaper.reap() == [attempt_id] and reaper.graces == 1
+
+
+def test_a_process_that_was_frozen_grants_grace_before_it_judges_a_lease(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """Its passes stopped (SIGSTOP, a suspended host, starved threads) without any error: the
+    leases that ran out meanwhile were not heard, and are not judged by that time."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+    clock = [1000.0]
+    reaper = Reaper(
+        session_factory=api.sessions,
+        dispatch=lambda: None,
+        interval=1,
+        lease_seconds=LEASE,
+        stall_seconds=2 * LEASE,
+        clock=lambda: clock[0],
+    )
+    assert reaper.reap() == [] and reaper.graces == 1
+    clock[0] += 1.5
+    assert reaper.reap() == [] and reaper.hearing()
+    clock[0] += 3 * LEASE  # frozen for three leases
+    assert not reaper.hearing()
+    expire_now(api, attempt_id, seconds_ago=2 * LEASE)
+    assert reaper.reap() == [] and reaper.graces == 2
+    assert attempt_row(api, attempt_id).status == "running"
+
+
+def test_one_attempt_that_cannot_be_settled_does_not_stop_the_others_being_reaped(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    ids = []
+    for _ in range(2):
+        run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+        assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+        ids.append((run_id, attempt_id))
+    (broken_run, broken), (_, healthy) = ids
+    with api.sessions() as session:
+        # An old row the code cannot settle: its plan lost its phases.
+        session.execute(update(Run).where(Run.id == broken_run).values(plan={}))
+        session.commit()
+    expire_now(api, broken, seconds_ago=LEASE + 1)  # the older lease: reaped first
+    expire_now(api, healthy, seconds_ago=1)
+    assert reap_expired(session_factory=api.sessions, now=utcnow()) == [healthy]
+    assert attempt_row(api, broken).status == "running"
+
+
+def test_pause_and_resume_do_not_judge_leases_while_the_service_owes_grace(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """Right after an outage, before the reaper's grace, a lapsed lease may be a live worker
+    the service could not hear: pause asks it (the reaper settles it if it is gone), resume
+    waits."""
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    expire_now(api, attempt_id, seconds_ago=2 * LEASE)
+    reaper = api.client.app.state.reaper  # type: ignore[attr-defined]
+    reaper.owes_grace = True
+    resumed = api.client.post(f"/runs/{run_id}/resume", headers=api.admin)
+    assert error_code(resumed, 409) == "run_active"
+    paused = api.client.post(f"/runs/{run_id}/pause", headers=api.admin)
+    assert paused.status_code == 200 and paused.json()["pause_requested_at"] is not None
+    assert attempt_row(api, attempt_id).status == "running"  # not taken for dead
+    assert worker.heartbeat(2, progress=1).json()["action"] == "pause"  # alive after all
