@@ -24,6 +24,9 @@ MAX_TASK = 64
 MAX_ID = 32
 # String(64): SHA-256 hex digests (workflow ids, signatures).
 SHA256_HEX = 64
+# A run's budgets (max_restarts, max_preemptions): far below MAX_COUNT, as attempt numbers count
+# every restart and preemption.
+MAX_BUDGET = 10_000
 
 
 def refuse_nul(value: str) -> str:

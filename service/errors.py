@@ -6,6 +6,7 @@ it, HTTPException and request validation errors onto the shape.
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from contracts.workflow import json_path
 
@@ -57,6 +59,47 @@ def not_found(kind: str, ident: str, hint: str) -> ApiError:
 
 def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "details": details}}
+
+
+class RefuseNul:
+    """ASGI middleware: 422 for a request whose path or query string holds a NUL character
+    (`%00`). Ids and names from the URL reach SQL; Postgres refuses NUL in text with an error
+    that would otherwise surface as a 500. Bodies are validated field by field instead
+    (contracts.bounds.NO_NUL)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            where = None
+            if "\0" in scope["path"]:
+                where = "path"
+            elif b"%00" in scope.get("query_string", b"").lower():
+                where = "query"
+            if where is not None:
+                await _answer(
+                    send,
+                    422,
+                    error_body(
+                        "invalid_request",
+                        f"the request's {where} contains a NUL character (%00), which no id "
+                        "or name can hold",
+                        {"field": where},
+                    ),
+                )
+                return
+        await self.app(scope, receive, send)
+
+
+async def _answer(send: Send, status: int, body: dict[str, Any]) -> None:
+    content = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(content)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": content})
 
 
 def _code_for(status: int) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contracts.bounds import MAX_COUNT, MAX_NAME
 from contracts.reports import (
     CheckpointReport,
     EvalBatch,
@@ -20,7 +21,6 @@ from contracts.reports import (
     MetricBatch,
 )
 from contracts.reports import MetricPoint as ReportedPoint
-from contracts.workflow import MAX_COUNT
 from service.db import insert_for
 from service.errors import ApiError
 from service.lease import fence
@@ -63,7 +63,7 @@ def finite_or_none(value: float) -> float | None:
 
 
 # The longest metric name the metrics table stores (MetricPoint.name).
-MAX_METRIC_NAME = 200
+MAX_METRIC_NAME = MAX_NAME
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ def point_error(point: ReportedPoint) -> str | None:
     loss is the worker's to report as a failure with cause `nan`), not stored as a gap."""
     if not point.name.strip():
         return "name is empty; name the metric (e.g. 'loss')"
+    if "\0" in point.name:
+        return "name contains a NUL character (U+0000), which cannot be stored"
     if len(point.name) > MAX_METRIC_NAME:
         return f"name is {len(point.name)} characters long; at most {MAX_METRIC_NAME} are stored"
     if not 0 <= point.step <= MAX_COUNT:

@@ -7,14 +7,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from contracts.bounds import MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
+from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
 from contracts.workflow import Plan
 from service.lifecycle import RunStatus
 
 MAX_RUNS_PAGE = 500
-# A run's budgets (max_restarts, max_preemptions): far below MAX_COUNT, as attempt numbers count
-# every restart and preemption.
-MAX_BUDGET = 10_000
 
 
 class Status(BaseModel):

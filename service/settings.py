@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.bounds import MAX_BUDGET
 from contracts.dispatch import DEFAULT_QUEUE
 from runtime.logs import LogFormat
 
@@ -50,9 +51,9 @@ class ServiceSettings(BaseSettings):
     # worker may have died (jobs hold no lease). The first outcome posted is the one kept.
     job_timeout_seconds: float = Field(default=3600.0, gt=0)
     # Default budgets of a run (POST /runs may set its own): preemptions and lost workers...
-    max_preemptions: int = Field(default=10, ge=0)
+    max_preemptions: int = Field(default=10, ge=0, le=MAX_BUDGET)
     # ...and errors with cause `infrastructure`. Other causes fail the run at once.
-    max_restarts: int = Field(default=3, ge=0)
+    max_restarts: int = Field(default=3, ge=0, le=MAX_BUDGET)
 
     @model_validator(mode="before")
     @classmethod

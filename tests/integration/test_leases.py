@@ -525,3 +525,41 @@ def test_pause_and_resume_do_not_judge_leases_while_the_service_owes_grace(
     assert paused.status_code == 200 and paused.json()["pause_requested_at"] is not None
     assert attempt_row(api, attempt_id).status == "running"  # not taken for dead
     assert worker.heartbeat(2, progress=1).json()["action"] == "pause"  # alive after all
+
+
+@pytest.mark.parametrize(
+    ("method", "url"),
+    [
+        ("GET", "/runs/run_a%00b"),
+        ("GET", "/runs/run_a%00b/metrics"),
+        ("GET", "/runs?status=running&name=a%00"),
+        ("POST", "/internal/attempts/att_a%00b/heartbeat"),
+        ("POST", "/internal/attempts/att_a%00b/claim"),
+    ],
+)
+def test_a_nul_in_a_url_is_refused_not_a_server_error(api: Api, method: str, url: str) -> None:
+    """Ids and names from the URL reach SQL; Postgres refuses NUL in text."""
+    headers = api.worker if url.startswith("/internal") else api.admin
+    answer = api.client.request(method, url, headers=headers, json={})
+    assert error_code(answer, 422) == "invalid_request"
+    assert answer.json()["error"]["details"]["field"] in ("path", "query")
+
+
+def test_a_metric_name_with_a_nul_is_refused_alone(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """Refused per point: a 500 would be retried, spooled and sent again for ever, holding
+    back every report behind it."""
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    points = [
+        {"name": "lo\u0000ss", "step": 1, "value": 1.0},
+        {"name": "loss", "step": 1, "value": 1.0},
+    ]
+    answer = worker.post("metrics", {"fencing_token": worker.secret, "points": points})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["accepted"] == 1
+    assert "NUL" in answer.json()["errors"][0]["error"]
+    stored = api.client.get(f"/runs/{run_id}/metrics", headers=api.admin).json()
+    assert list(stored) == ["loss"]
