@@ -6,11 +6,14 @@ the reason. Only usable checkpoints are listed by default, handed out as `resume
 as another run's initial checkpoint. A step registered again (a resumed attempt writing it anew)
 is usable again.
 
-Pins: a checkpoint that an unfinished run (not succeeded, failed or cancelled) names as its
-initial checkpoint (`{"run", "step"}`, kept in the run's signature components) is pinned. The
-answer to each registration carries the run's pinned steps and worker retention keeps them; a
-report that a pinned checkpoint was deleted is refused (409 `checkpoint_pinned`), so the
-registry never says "deleted" of what a run still needs.
+Pins: a checkpoint that another run names as its initial checkpoint (`{"run", "step"}`, kept
+in the run's signature components) is pinned while that run may still load it: until it
+succeeded, and as long as it has no usable checkpoint of its own (a failed or cancelled run
+may be resumed; a resume starts from the run's own latest checkpoint when it has one, and only
+otherwise from the initial checkpoint, which the worker then hashes again). The answer to each
+registration carries the run's pinned steps and worker retention keeps them; a report that a
+pinned checkpoint was deleted is refused (409 `checkpoint_pinned`), so the registry never says
+"deleted" of what a run still needs.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from collections import defaultdict
 from typing import Final, Literal
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from contracts.reports import CheckpointRemoval
 from service.errors import ApiError
-from service.lifecycle import FINISHED_RUN
+from service.lifecycle import RunStatus
 from service.models import ApiToken, Checkpoint, Run, utcnow
 
 USABLE: Final = "usable"
@@ -64,11 +67,15 @@ def usable_checkpoint(
 
 
 def pins(*, session: Session, run_id: str) -> dict[int, list[str]]:
-    """Step -> the unfinished runs that start from the run's checkpoint at that step."""
+    """Step -> the runs that may still load the run's checkpoint at that step as their initial
+    checkpoint: not succeeded, with no usable checkpoint of their own."""
     initial = Run.signature_components
+    own = aliased(Checkpoint)
+    has_own = select(own.id).where(own.run_id == Run.id, own.status == USABLE).exists()
     query = select(initial[("initial_checkpoint", "step")].as_integer(), Run.id).where(
         initial[("initial_checkpoint", "run")].as_string() == run_id,
-        Run.status.not_in(FINISHED_RUN),
+        Run.status != RunStatus.SUCCEEDED,
+        ~has_own,
     )
     pinned: dict[int, list[str]] = defaultdict(list)
     for step, pinning_run in session.execute(query.order_by(Run.id)):
@@ -130,8 +137,8 @@ def _pinned(checkpoint: Checkpoint, needed_by: list[str]) -> ApiError:
         409,
         "checkpoint_pinned",
         f"step {checkpoint.step}: the checkpoint {checkpoint.path} of run {checkpoint.run_id} "
-        f"is the initial checkpoint of unfinished run(s) {runs}; retention must keep it "
-        "while they need it (the answer to each checkpoint registration lists the pinned "
-        "steps)",
+        f"is the initial checkpoint of run(s) {runs}, which may still start from it (not "
+        "succeeded, no checkpoint of their own yet); retention must keep it while they need "
+        "it (the answer to each checkpoint registration lists the pinned steps)",
         {"run_id": checkpoint.run_id, "step": checkpoint.step, "pinned_by": needed_by},
     )

@@ -1,5 +1,5 @@
 """The checkpoint registry and the disk, with real worker processes: retention in one run never
-deletes the checkpoint another unfinished run starts from, and a checkpoint a worker
+deletes the checkpoint another run still starts from, and a checkpoint a worker
 quarantines is reported with why and never handed out again."""
 
 from __future__ import annotations

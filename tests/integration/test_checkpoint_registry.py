@@ -1,6 +1,7 @@
 """The checkpoint registry follows the disk, driven over HTTP as a worker drives it: what a
 worker deletes or quarantines is reported, shown with why, and never handed out again; a
-checkpoint another unfinished run starts from is pinned."""
+checkpoint another run starts from is pinned until that run succeeded or has a checkpoint of its
+own."""
 
 from __future__ import annotations
 
@@ -137,9 +138,8 @@ def test_a_checkpoint_another_unfinished_run_starts_from_is_pinned(
     quarantined = report_removal(source, 8, "quarantined", "failed verification: no manifest")
     assert quarantined.status_code == 200, quarantined.text
 
-    # Once the run that needed it is finished, 4 may go.
-    cancelled = api.client.post(f"/runs/{tuned['id']}/cancel", headers=api.admin)
-    assert cancelled.status_code == 200, cancelled.text
+    # Once the run that needed it has a checkpoint of its own (its resumes load that), 4 may go.
+    register(claimed(api, tuned["attempts"][0]["id"]), 2)
     assert register(source, 12) == {"accepted": 1, "pinned_steps": []}
     assert report_removal(source, 4, "deleted", "retention: keep_last 2").status_code == 200
     assert steps(listed(api, source_id)) == [12]
@@ -161,6 +161,50 @@ def test_a_checkpoint_another_unfinished_run_starts_from_is_pinned(
         "status": "deleted",
         "reason": "retention: keep_last 2",
     }
+
+
+@pytest.mark.parametrize("ended", ["failed", "cancelled"])
+def test_a_run_that_may_be_resumed_keeps_its_pin_until_it_has_a_checkpoint_of_its_own(
+    ended: str, any_api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    api = any_api
+    doc = tiny_workflow(phases=1, steps=20)
+    source_id, attempt_id = start_run(api, doc)
+    source = claimed(api, attempt_id)
+    register(source, 4)
+    created = api.client.post(
+        "/runs",
+        json={"workflow": doc, "initial_checkpoint": {"run": source_id, "step": 4}},
+        headers=api.admin,
+    )
+    assert created.status_code == 201, created.text
+    tuned = created.json()
+
+    # The run ends before it wrote a checkpoint of its own; a resume would start again from
+    # step 4's weights, so 4 stays pinned.
+    if ended == "failed":
+        worker = claimed(api, tuned["attempts"][0]["id"])
+        message = "data/pretrain.jsonl:1: not valid JSON"
+        answer = worker.finish("failed", 0, cause="data", message=message)
+    else:
+        answer = api.client.post(f"/runs/{tuned['id']}/cancel", headers=api.admin)
+    assert answer.status_code == 200, answer.text
+    run = api.client.get(f"/runs/{tuned['id']}", headers=api.admin).json()
+    assert run["status"] == ended
+    assert register(source, 8) == {"accepted": 1, "pinned_steps": [4]}
+    assert error_code(report_removal(source, 4, "deleted"), 409) == "checkpoint_pinned"
+
+    # Resumed, it starts from 4 and writes a checkpoint of its own, which every later resume
+    # starts from instead: 4 is no longer needed.
+    resumed = api.client.post(f"/runs/{tuned['id']}/resume", json={}, headers=api.admin)
+    assert resumed.status_code == 200, resumed.text
+    again = claimed(api, resumed.json()["attempts"][-1]["id"], nonce="m")
+    assert again.claimed["resume_from"] is None
+    assert register(source, 12) == {"accepted": 1, "pinned_steps": [4]}
+    register(again, 2)
+    assert register(source, 16) == {"accepted": 1, "pinned_steps": []}
+    assert report_removal(source, 4, "deleted", "retention: keep_last 2").status_code == 200
+    assert steps(listed(api, source_id)) == [8, 12, 16]
 
 
 def test_a_removal_report_is_fenced_and_bounded(api: Api, tiny_workflow: WorkflowFactory) -> None:
