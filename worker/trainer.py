@@ -37,7 +37,7 @@ from worker.checkpoint import (
 from worker.checkpoint import restore_rng as set_rng_state
 from worker.data import PhaseData, batch_for_step, load_phase_data
 from worker.error import ConfigError, NonFiniteLoss
-from worker.evaluate import evaluate_task, load_eval_data
+from worker.evaluate import EvalData, evaluate_task, load_eval_data
 from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
 from worker.objective import StepLoss, backward_step
 from worker.optim import Optimizers, build_optimizers
@@ -277,21 +277,6 @@ def train_phase(
         )
         log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
 
-    def evaluate(step: int, due: list[int]) -> list[EvalResult]:
-        results = []
-        for i in due:  # an eval reports nothing until it ends: each set done is progress
-            results.append(
-                evaluate_task(
-                    model,
-                    eval_data[i],
-                    batch_size=workflow.evals[i].batch_size,
-                    step=step,
-                    phase=phase.name,
-                )
-            )
-            reporter.progress()
-        return results
-
     keeper = CheckpointKeeper(
         writer=CheckpointWriter(directory=directory, tokenizer=tokenizer),
         reporter=reporter,
@@ -304,7 +289,10 @@ def train_phase(
     done = start  # the last step whose update was made
     try:
         if start == 0 and workflow.evals:
-            reporter.evals(evaluate(0, list(range(len(workflow.evals)))))
+            baseline = list(range(len(workflow.evals)))
+            reporter.evals(
+                run_evals(model, workflow, eval_data, reporter, step=0, due=baseline, phase=phase)
+            )
 
         for step in range(start + 1, last + 1):  # `step`: the update this iteration makes
             # --- learning rate (a pure function of the phase step)
@@ -378,7 +366,11 @@ def train_phase(
             )
             # --- eval and checkpoint, as decided above
             if due_evals:
-                reporter.evals(evaluate(step, due_evals))
+                reporter.evals(
+                    run_evals(
+                        model, workflow, eval_data, reporter, step=step, due=due_evals, phase=phase
+                    )
+                )
             keeper.collect(step)  # a background save that finished
             if checkpoint_due:
                 keeper.save(step, tokens_seen=tokens_seen)
@@ -411,6 +403,33 @@ def train_phase(
         # After a failure or a stop: a save in flight finishes its temporary directory, which
         # is never put in place or registered.
         keeper.close()
+
+
+def run_evals(
+    model: PreTrainedModel,
+    workflow: Workflow,
+    eval_data: list[EvalData],
+    reporter: Reporter,
+    *,
+    step: int,
+    due: list[int],
+    phase: Phase,
+) -> list[EvalResult]:
+    """The results of the eval tasks `due` (indices into `workflow.evals` and `eval_data`) on
+    the model after `step`, in the order of `due`."""
+    results = []
+    for i in due:
+        results.append(
+            evaluate_task(
+                model,
+                eval_data[i],
+                batch_size=workflow.evals[i].batch_size,
+                step=step,
+                phase=phase.name,
+            )
+        )
+        reporter.progress()  # an eval reports nothing until it ends: each set done is progress
+    return results
 
 
 def _source_metrics(
