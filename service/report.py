@@ -43,18 +43,12 @@ from service.models import (
 )
 
 
-def checkpoint_dir_of(artifact_root: Path, run_id: str) -> Path:
-    """Where a run's checkpoints live: `<artifact_root>/runs/<run_id>/checkpoints`."""
-    return Path(os.path.normpath(artifact_root / "runs" / run_id / "checkpoints"))
-
-
-def _inside(path: str, directory: Path) -> bool:
-    """`path` names an entry strictly below `directory`, judged on the text of the path (the
-    service need not see the artifact store): absolute, no `..` escaping it."""
-    candidate = Path(os.path.normpath(path))
-    return (
-        candidate.is_absolute() and candidate != directory and candidate.is_relative_to(directory)
-    )
+def checkpoint_path_of(artifact_root: Path, run_id: str, step: int) -> Path:
+    """Where a run's checkpoint of `step` lives, as the worker writes it
+    (`<artifact_root>/runs/<run_id>/checkpoints/step-NNNNNNNN`), judged on the text of the path
+    (the service need not see the artifact store)."""
+    directory = artifact_root / "runs" / run_id / "checkpoints" / f"step-{step:08d}"
+    return Path(os.path.normpath(directory))
 
 
 def finite_or_none(value: float) -> float | None:
@@ -206,9 +200,11 @@ def register_checkpoint(
     artifact_root: Path,
 ) -> Checkpoint:
     """Record a complete checkpoint. The same step registered again (a resumed attempt writing
-    it anew) replaces the earlier entry. Its path must lie in the run's own checkpoint
-    directory (`checkpoint_dir_of`): 422 `invalid_checkpoint_path` otherwise, since the service
-    hands registered paths to later attempts and to other runs as initial checkpoints."""
+    it anew) replaces the earlier entry. It must be this attempt's: its path the step's own
+    directory in the run's checkpoint directory (`checkpoint_path_of`; 422
+    `invalid_checkpoint_path` otherwise, since the service hands registered paths to later
+    attempts and to other runs as initial checkpoints), its phase the attempt's and its step
+    inside that phase (422 `invalid_checkpoint`)."""
     attempt = fence(
         session=session,
         attempt_id=attempt_id,
@@ -217,15 +213,30 @@ def register_checkpoint(
         lease_seconds=lease_seconds,
     )
     ref = report.checkpoint
-    directory = checkpoint_dir_of(artifact_root, attempt.run_id)
-    if not _inside(ref.path, directory):
+    expected = checkpoint_path_of(artifact_root, attempt.run_id, ref.step)
+    if Path(os.path.normpath(ref.path)) != expected:
         session.rollback()
         raise ApiError(
             422,
             "invalid_checkpoint_path",
-            f"checkpoint.path: {ref.path!r} is not inside this run's checkpoint directory "
-            f"{str(directory)!r}; a worker writes checkpoints there only",
-            {"field": "checkpoint.path", "path": ref.path, "expected_under": str(directory)},
+            f"checkpoint.path: {ref.path!r} is not the directory of step {ref.step} in this "
+            f"run's checkpoints, {str(expected)!r}; a worker writes checkpoints there only",
+            {"field": "checkpoint.path", "path": ref.path, "expected": str(expected)},
+        )
+    run = session.get(Run, attempt.run_id)
+    assert run is not None
+    phase = run.plan["phases"][attempt.phase_index]
+    first, last = int(phase["first_step"]), int(phase["last_step"])
+    inside = ref.phase_index == attempt.phase_index and first <= ref.step <= last
+    if not inside or ref.phase_step != ref.step - first + 1:
+        session.rollback()
+        raise ApiError(
+            422,
+            "invalid_checkpoint",
+            f"checkpoint: step {ref.step} (phase {ref.phase_index}, phase step "
+            f"{ref.phase_step}) is not a step of this attempt's phase {attempt.phase_index}, "
+            f"which covers steps {first}..{last} (phase steps 1..{last - first + 1})",
+            {"field": "checkpoint", "first_step": first, "last_step": last},
         )
     stmt = insert_for(session, Checkpoint).values(
         run_id=attempt.run_id,

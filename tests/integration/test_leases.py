@@ -244,6 +244,9 @@ def test_a_stale_secret_is_refused_after_the_attempt_was_given_away(
         "{artifacts}/runs/{run}/checkpoints",
         "{artifacts}/runs/{run}/step-00000004",
         "runs/{run}/checkpoints/step-00000004",
+        "{artifacts}/runs/{run}/checkpoints/step-00000004/model.safetensors",
+        "{artifacts}/runs/{run}/checkpoints/.tmp-step-00000004-1234",
+        "{artifacts}/runs/{run}/checkpoints/step-00000003",
     ],
 )
 def test_a_checkpoint_path_outside_the_runs_checkpoint_directory_is_refused(
@@ -563,3 +566,22 @@ def test_a_metric_name_with_a_nul_is_refused_alone(
     assert "NUL" in answer.json()["errors"][0]["error"]
     stored = api.client.get(f"/runs/{run_id}/metrics", headers=api.admin).json()
     assert list(stored) == ["loss"]
+
+
+@pytest.mark.parametrize(
+    ("phase_index", "phase_step"),
+    [(1, 4), (0, 3), (0, 5)],
+)
+def test_a_checkpoint_of_another_phase_or_step_than_its_attempts_is_refused(
+    api: Api, tiny_workflow: WorkflowFactory, phase_index: int, phase_step: int
+) -> None:
+    """A final checkpoint is what the next phase starts from and what a succeeded finish is
+    verified by: it must be a step of the attempt's own phase, at its own position."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=2, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    path = f"{worker.claimed['artifact_dir']}/checkpoints/step-00000004"
+    ref = {"path": path, "step": 4, "phase_index": phase_index, "phase_step": phase_step}
+    answer = worker.post("checkpoints", {"fencing_token": worker.secret, "checkpoint": ref})
+    assert error_code(answer, 422) == "invalid_checkpoint"
+    assert error_code(worker.finish("succeeded", 4), 409) == "unverified_finish"
