@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from contracts.reports import (
@@ -32,7 +32,7 @@ from contracts.reports import (
     HeartbeatAnswer,
 )
 from contracts.signature import Digests
-from service.checkpoint import latest_checkpoint
+from service.checkpoint import USABLE
 from service.db import rowcount
 from service.errors import ApiError, not_found
 from service.lifecycle import (
@@ -290,7 +290,7 @@ def claim_attempt(
             move_run(run, RunStatus.PAUSED, now=now)
         session.commit()
         raise superseded(attempt)
-    resume = latest_checkpoint(session=session, run_id=run.id)
+    resume = starting_checkpoint(session=session, run=run, phase_index=attempt.phase_index)
     attempt.resume_checkpoint_id = None if resume is None else resume.id
     start = resume.step if resume is not None else phase_start(run, attempt.phase_index)
     discard_reports_after(session=session, run_id=run.id, step=start)
@@ -299,6 +299,27 @@ def claim_attempt(
     set_run_step(run, start)
     session.commit()
     return _claim_answer(session, attempt, lease_seconds, artifact_root)
+
+
+def starting_checkpoint(*, session: Session, run: Run, phase_index: int) -> Checkpoint | None:
+    """The newest usable checkpoint phase `phase_index` can start from: one inside the phase
+    (a resume), or the previous phase's final one. None when there is none: phase 0 starts
+    from its initial weights; a later phase cannot start, and its worker says so. Never the
+    run's newest checkpoint blindly: with a phase's final checkpoint quarantined, that would be
+    a checkpoint in the middle of the previous phase."""
+    start = phase_start(run, phase_index)
+    inside = and_(Checkpoint.phase_index == phase_index, Checkpoint.step > start)
+    previous_final = and_(Checkpoint.phase_index == phase_index - 1, Checkpoint.step == start)
+    return session.scalars(
+        select(Checkpoint)
+        .where(
+            Checkpoint.run_id == run.id,
+            Checkpoint.status == USABLE,
+            or_(inside, previous_final),
+        )
+        .order_by(Checkpoint.step.desc())
+        .limit(1)
+    ).one_or_none()
 
 
 def _claim_answer(

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from contracts.reports import ClaimRequest
 from service.auth import create_token
 from service.lease import lease_end
-from service.models import Attempt, Run, utcnow
+from service.models import Attempt, Checkpoint, Run, utcnow
 from service.reaper import Reaper, reap_expired
 from worker.client import ServiceClient, ServiceUnavailable
 from worker.runner import claim_request
@@ -585,3 +585,28 @@ def test_a_checkpoint_of_another_phase_or_step_than_its_attempts_is_refused(
     answer = worker.post("checkpoints", {"fencing_token": worker.secret, "checkpoint": ref})
     assert error_code(answer, 422) == "invalid_checkpoint"
     assert error_code(worker.finish("succeeded", 4), 409) == "unverified_finish"
+
+
+def test_a_phase_never_starts_from_a_checkpoint_in_the_middle_of_the_previous_one(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """Phase 0's final checkpoint was quarantined: phase 1 must not be handed phase 0's step 2
+    (its worker would refuse it as a checkpoint error, never retried); it gets none, and once
+    it has checkpoints of its own, the newest of them."""
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=2, steps=4))
+    first = Claimant(api, attempt_id, api.worker, nonce="a")
+    assert first.claim().status_code == 200
+    for step in (2, 4):
+        assert first.checkpoint(step).status_code == 200
+    assert first.finish("succeeded", 4).status_code == 200
+    with api.sessions() as session:
+        session.execute(
+            update(Checkpoint)
+            .where(Checkpoint.run_id == run_id, Checkpoint.step == 4)
+            .values(status="quarantined", reason="manifest mismatch")
+        )
+        session.commit()
+    run = api.client.get(f"/runs/{run_id}", headers=api.admin).json()
+    second = Claimant(api, run["attempts"][-1]["id"], api.worker, nonce="b")
+    assert second.claim().status_code == 200
+    assert second.claimed["phase_index"] == 1 and second.claimed["resume_from"] is None
