@@ -239,7 +239,10 @@ class Supervisor(Generic[C]):
 
         def loop() -> None:
             while not self._closed.wait(interval):
-                self.poll()
+                try:
+                    self.poll()
+                except Exception:  # supervision must outlive any one failed poll
+                    log.exception("supervising the workers failed; trying again")
 
         self._thread = threading.Thread(target=loop, name="supervisor", daemon=True)
         self._thread.start()

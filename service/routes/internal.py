@@ -135,8 +135,10 @@ def renew(
         token=token,
         lease_seconds=settings.lease_seconds,
     )
-    note_attempt_worker(session=session, attempt_id=attempt_id, now=utcnow(), token_id=token.id)
-    session.commit()
+    if answer.action != "stop":
+        # Only an accepted heartbeat says its worker lives: a stale or forged secret does not.
+        note_attempt_worker(session=session, attempt_id=attempt_id, now=utcnow(), token_id=token.id)
+        session.commit()
     return answer
 
 
