@@ -14,6 +14,10 @@ from pydantic import BaseModel, Field
 from contracts.bounds import MAX_COUNT, MAX_HOSTNAME, MAX_NAME, MAX_TASK, NO_NUL, NUL_REPLACED
 from contracts.signature import Digests
 
+# Steps and counts are stored in 32-bit columns.
+Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
 # One request may carry at most this many metric points; the reporter splits larger batches.
 MAX_POINTS_PER_BATCH = 1000
 
@@ -68,11 +72,6 @@ class Claim(BaseModel):
     # The encoding rules the run was signed with (contracts.workflow.ENCODER_VERSION); a worker
     # that encodes otherwise refuses the attempt. None: a run signed before it was signed.
     encoder_version: int | None = None
-
-
-# Steps and counts are stored in 32-bit columns.
-Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 class Heartbeat(BaseModel):

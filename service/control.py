@@ -10,7 +10,6 @@ from __future__ import annotations
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.db import rowcount
 from service.errors import ApiError
 from service.lease import expire_attempt, lease_expired
 from service.lifecycle import (
@@ -19,7 +18,7 @@ from service.lifecycle import (
     RunStatus,
     attempt_sources,
     lock_current_attempt,
-    run_sources,
+    move_run_racing,
 )
 from service.models import Attempt, Run, utcnow
 from service.run import get_run
@@ -55,21 +54,6 @@ def _supersede(session: Session, attempt: Attempt, why: str) -> None:
     )
 
 
-def _move_run_unless_finished(session: Session, run: Run, to: RunStatus, **values: object) -> bool:
-    """Move the run to `to` only from a status the lifecycle allows it from (never from a
-    finished one), as one conditional UPDATE: the row locks that guard this on Postgres do not
-    exist on SQLite, where a finish committing between our read and our write would otherwise
-    be overwritten."""
-    won = rowcount(
-        session.execute(
-            update(Run)
-            .where(Run.id == run.id, Run.status.in_(run_sources(to)))
-            .values(status=to.value, updated_at=utcnow(), **values)
-        )
-    )
-    return won == 1
-
-
 def pause_run(*, session: Session, run_id: str, judge_leases: bool = True) -> Run:
     """Pause a run: a queued attempt is superseded and the run is `paused` at once; a running
     one is asked to pause (`pause_requested_at`) and the run becomes `paused` when its worker
@@ -99,7 +83,7 @@ def pause_run(*, session: Session, run_id: str, judge_leases: bool = True) -> Ru
             _supersede(
                 session, current, "superseded: the run was paused before a worker claimed it"
             )
-        if not _move_run_unless_finished(
+        if not move_run_racing(
             session,
             run,
             RunStatus.PAUSED,
@@ -125,14 +109,7 @@ def cancel_run(*, session: Session, run_id: str) -> Run:
         raise _run_finished(run, "cancelled")
     if current is not None and current.status in (AttemptStatus.QUEUED, AttemptStatus.RUNNING):
         _supersede(session, current, "superseded: the run was cancelled")
-    if not _move_run_unless_finished(
-        session,
-        run,
-        RunStatus.CANCELLED,
-        finished_at=utcnow(),
-        pause_requested_at=None,
-        message="cancelled by request",
-    ):
+    if not move_run_racing(session, run, RunStatus.CANCELLED, message="cancelled by request"):
         session.rollback()
         raise _run_finished(get_run(session=session, run_id=run_id), "cancelled")
     session.commit()

@@ -12,6 +12,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from service.db import insert_for
+from service.lifecycle import AttemptStatus
 from service.models import Attempt, Worker
 from service.schemas import WorkerPublic, WorkersPublic
 
@@ -94,7 +95,11 @@ def list_workers(
     """The `limit` workers heard from most recently, newest first, each with the attempt it
     is running (None when it runs none), and how many there are in all and live."""
     since = now - timedelta(seconds=lease_seconds)
-    running = select(Attempt.id, Attempt.run_id).where(Attempt.status == "running").subquery()
+    running = (
+        select(Attempt.id, Attempt.run_id)
+        .where(Attempt.status == AttemptStatus.RUNNING.value)
+        .subquery()
+    )
     rows = session.execute(
         select(Worker, running.c.run_id)
         .outerjoin(running, running.c.id == Worker.attempt_id)

@@ -160,12 +160,17 @@ def get_attempt(session: Session, attempt_id: str) -> Attempt:
     return attempt
 
 
-def superseded(attempt: Attempt) -> ApiError:
+def superseded(attempt: Attempt, *, claiming: bool = False) -> ApiError:
+    why = (
+        "it is no longer its run's current attempt"
+        if claiming
+        else "the fencing token you sent is not its claim's"
+    )
     return ApiError(
         409,
         "superseded",
         f"attempt {attempt.id} (run {attempt.run_id}, number {attempt.number}) is "
-        f"{attempt.status}, and the fencing token you sent is not its claim's; {_STOP_HINT}",
+        f"{attempt.status}, and {why}; {_STOP_HINT}",
         {"attempt_id": attempt.id, "status": attempt.status},
     )
 
@@ -269,7 +274,7 @@ def claim_attempt(
             # The first try won and its answer was lost: the same claim again.
             return _claim_answer(session, attempt, lease_seconds, artifact_root)
         if not is_current(session, attempt):
-            raise superseded(attempt)
+            raise superseded(attempt, claiming=True)
         raise ApiError(
             409,
             "already_claimed",
@@ -283,13 +288,17 @@ def claim_attempt(
     run = session.get(Run, attempt.run_id, with_for_update=True)
     assert run is not None
     if is_finished(run) or run.status == RunStatus.PAUSED or run.pause_requested_at is not None:
+        state = run.status if is_finished(run) else "paused"
         end_attempt(
-            attempt, AttemptStatus.SUPERSEDED, now=now, message="superseded: the run is paused"
+            attempt,
+            AttemptStatus.SUPERSEDED,
+            now=now,
+            message=f"superseded: the run was {state} before a worker claimed it",
         )
         if not is_finished(run):
             move_run(run, RunStatus.PAUSED, now=now)
         session.commit()
-        raise superseded(attempt)
+        raise superseded(attempt, claiming=True)
     resume = starting_checkpoint(session=session, run=run, phase_index=attempt.phase_index)
     attempt.resume_checkpoint_id = None if resume is None else resume.id
     start = resume.step if resume is not None else phase_start(run, attempt.phase_index)

@@ -33,6 +33,7 @@ from types import EllipsisType
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from service.db import rowcount
 from service.models import Attempt, OutboxMessage, Run, new_attempt_id, utcnow
 
 
@@ -138,6 +139,27 @@ def move_run(
         run.finished_at, run.pause_requested_at = now, None
         run.cause = cause if to is RunStatus.FAILED else None
     run.updated_at = now
+
+
+def move_run_racing(
+    session: Session, run: Run, to: RunStatus, *, message: str | None, now: datetime | None = None
+) -> bool:
+    """`move_run` as one conditional UPDATE from the statuses the table allows, for a writer
+    that races a worker's finish (pause, cancel): the row locks that serialise them on
+    Postgres do not exist on SQLite, where a finish committing between a read and this write
+    would otherwise be overwritten. False when the run had moved on (finished, say). Does not
+    commit; the caller refreshes `run`."""
+    now = now or utcnow()
+    values: dict[str, object] = {"status": to.value, "message": message, "updated_at": now}
+    if to in FINISHED_RUN:
+        values.update(finished_at=now, pause_requested_at=None, cause=None)
+    won = session.execute(
+        update(Run)
+        .where(Run.id == run.id, Run.status.in_(run_sources(to)))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return rowcount(won) == 1
 
 
 def end_attempt(

@@ -91,7 +91,7 @@ def resign(
 
 
 def _run_active(run: Run, attempt: Attempt) -> ApiError:
-    if attempt.status == "queued":
+    if attempt.status == AttemptStatus.QUEUED:
         why = "is queued, waiting for a worker"
     else:
         why = (

@@ -22,7 +22,7 @@ from service.checkpoint import USABLE, list_checkpoints, usable_checkpoint
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.fleet import live_worker_seen
-from service.lifecycle import RunStatus, add_attempt, budget_use, recovery_seconds
+from service.lifecycle import AttemptStatus, RunStatus, add_attempt, budget_use, recovery_seconds
 from service.models import Attempt, Checkpoint, Run, new_run_id, utcnow
 from service.schemas import (
     AttemptPublic,
@@ -280,7 +280,9 @@ def runs_public(
             latest[checkpoint.run_id] = checkpoint
     now = utcnow()
     queued = {
-        run.id for run in runs if attempts[run.id] and attempts[run.id][-1].status == "queued"
+        run.id
+        for run in runs
+        if attempts[run.id] and attempts[run.id][-1].status == AttemptStatus.QUEUED
     }
     no_worker = bool(queued) and not live_worker_seen(
         session=session, now=now, lease_seconds=lease_seconds, queue=queue
