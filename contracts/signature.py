@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +25,31 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def sha256_file(path: Path | str) -> str:
+def sha256_file(path: Path | str, progress: Callable[[], None] | None = None) -> str:
+    """A file's SHA-256; `progress` is called after each chunk (1 MiB) read."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            if progress is not None:
+                progress()
     return digest.hexdigest()
 
 
-def sha256_path(path: Path | str) -> str:
+def sha256_path(path: Path | str, progress: Callable[[], None] | None = None) -> str:
     """A file's SHA-256, or for a directory the SHA-256 over its sorted
-    `relative-path NUL file-sha256 LF` lines (so renaming a file inside changes it too)."""
+    `relative-path NUL file-sha256 LF` lines (so renaming a file inside changes it too).
+    `progress` is called after each chunk (1 MiB) read: a worker hashing many GiB says it is
+    not hung."""
     path = Path(path)
     if path.is_file():
-        return sha256_file(path)
+        return sha256_file(path, progress)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist")
     digest = hashlib.sha256()
     for child in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = child.relative_to(path).as_posix()
-        digest.update(f"{rel}\0{sha256_file(child)}\n".encode())
+        digest.update(f"{rel}\0{sha256_file(child, progress)}\n".encode())
     return digest.hexdigest()
 
 

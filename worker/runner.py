@@ -227,7 +227,7 @@ def verify_inputs(
             progress()  # each file hashed is progress: a stall is judged by it
         if not Path(path).exists():
             raise TrainingError(f"{kind} {path} not found on host {socket.gethostname()}")
-        actual = sha256_path(path)
+        actual = sha256_path(path, progress)  # and each MiB of it
         if actual != expected:
             raise SignatureMismatch(
                 f"{kind} {path} has SHA-256 {actual}, but the run's signature was computed "

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
 from worker.checkpoint import MANIFEST
 from worker.client import ServiceClient, ServiceUnavailable
-from worker.runner import run_attempt
+from worker.runner import run_attempt, verify_inputs
 from worker.settings import WorkerSettings
 
 
@@ -207,6 +208,25 @@ def test_a_changed_data_file_refuses_to_train_naming_the_file_and_digests(
     assert path in finish["message"]
     assert claim.digests.data[path] in finish["message"]  # the expected digest
     assert sha256_path(path) in finish["message"]  # and the actual one
+
+
+def test_hashing_the_inputs_is_progress_for_every_chunk_read(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_text_file: Callable[..., Path],
+) -> None:
+    """Hashing a corpus of many GiB takes minutes: each MiB read tells the lease keeper the
+    worker is not hung, not only each file."""
+    big = make_text_file(documents=40_000)  # a few MiB
+    workflow = make_workflow(
+        [{"name": "pt", "objective": "continued_pretrain", "data": [big], "steps": 1}]
+    )
+    calls: list[int] = []
+    verify_inputs(make_claim(workflow), workflow, lambda: calls.append(1))
+    files = [Path(workflow.tokenizer), big]
+    chunks = sum(math.ceil(f.stat().st_size / 2**20) for f in files)
+    assert math.ceil(big.stat().st_size / 2**20) >= 3
+    assert len(calls) == len(files) + chunks  # each file, then each MiB of it
 
 
 def test_a_worker_of_other_encoding_rules_refuses_the_attempt(
