@@ -14,7 +14,6 @@ whose registry follows the disk.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from contracts.reports import Claim
+from contracts.signature import sha256_file
 from worker import failpoint
 from worker.error import CheckpointError, SignatureMismatch
 from worker.files import fsync_dir, fsync_file
@@ -55,7 +55,6 @@ MANIFEST = "manifest.json"
 
 _STEP_PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,7 @@ def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer
     manifest = {
         "step": state.step,
         "files": {
-            p.relative_to(tmp).as_posix(): {"sha256": _sha256(p), "size": p.stat().st_size}
+            p.relative_to(tmp).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size}
             for p in parts
         },
     }
@@ -371,19 +370,12 @@ class CheckpointWriter:
         self._executor.shutdown(wait=True)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # --- verify and load ------------------------------------------------------------------------
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise CheckpointError unless every file the manifest lists is present and intact."""
+def verify_checkpoint(path: Path, progress: Callable[[], None] | None = None) -> None:
+    """Raise CheckpointError unless every file the manifest lists is present and intact.
+    `progress` is called after each MiB hashed: a large checkpoint takes minutes."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}")
@@ -403,7 +395,7 @@ def verify_checkpoint(path: Path) -> None:
             raise CheckpointError(
                 f"checkpoint {path}: {name} has {size} bytes, the manifest says {expected['size']}"
             )
-        digest = _sha256(file)
+        digest = sha256_file(file, progress)
         if digest != expected["sha256"]:
             raise CheckpointError(
                 f"checkpoint {path}: {name} has SHA-256 {digest}, "
@@ -439,10 +431,13 @@ def read_state(path: Path) -> CheckpointState:
     return CheckpointState(**json.loads((path / STATE).read_text()))
 
 
-def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
-    """Verify, then read the state, optimizer and RNG parts of the checkpoint at `path`."""
+def load_checkpoint(
+    path: str | Path, progress: Callable[[], None] | None = None
+) -> LoadedCheckpoint:
+    """Verify (`progress`: as verify_checkpoint), then read the state, optimizer and RNG parts
+    of the checkpoint at `path`."""
     path = Path(path)
-    verify_checkpoint(path)
+    verify_checkpoint(path, progress)
     return LoadedCheckpoint(
         path=path,
         state=read_state(path),
@@ -465,7 +460,11 @@ class Quarantined:
 
 
 def select_resume_checkpoint(
-    claim: Claim, offsets: list[int], *, on_quarantine: Callable[[Quarantined], object]
+    claim: Claim,
+    offsets: list[int],
+    *,
+    on_quarantine: Callable[[Quarantined], object],
+    progress: Callable[[], None] | None = None,
 ) -> LoadedCheckpoint | None:
     """The claim's `resume_from`, verified (None: the phase's first step, from the initial
     weights): this run's, and either inside this phase or the previous phase's final checkpoint
@@ -473,7 +472,7 @@ def select_resume_checkpoint(
     no manifest) is quarantined and the newest older usable checkpoint of the same directory is
     used instead. A later phase without one cannot start. `on_quarantine` hears of each
     checkpoint renamed aside as soon as it is, so that the service learns of it even when no
-    older one can stand in and this raises."""
+    older one can stand in and this raises. `progress` is called after each MiB verified."""
     phase_index = claim.phase_index
     if claim.resume_from is None:
         if phase_index > 0:
@@ -484,9 +483,11 @@ def select_resume_checkpoint(
         return None
     path = Path(claim.resume_from.path)
     try:
-        loaded = load_checkpoint(path)
+        loaded = load_checkpoint(path, progress)
     except CheckpointError as err:
-        return _fall_back(path, claim.resume_from.step, err, claim, offsets, on_quarantine)
+        return _fall_back(
+            path, claim.resume_from.step, err, claim, offsets, on_quarantine, progress
+        )
     state = loaded.state
     if state.signature != claim.signature:
         raise SignatureMismatch(
@@ -526,6 +527,7 @@ def _fall_back(
     claim: Claim,
     offsets: list[int],
     on_quarantine: Callable[[Quarantined], object],
+    progress: Callable[[], None] | None,
 ) -> LoadedCheckpoint:
     """Quarantine the failed checkpoint `path` (of `step`) and load the newest older one in
     its directory that verifies, is this run's and can start this phase."""
@@ -534,7 +536,7 @@ def _fall_back(
         if older_step >= step:
             continue
         try:
-            loaded = load_checkpoint(candidate)
+            loaded = load_checkpoint(candidate, progress)
         except CheckpointError as older_err:
             on_quarantine(_set_aside(candidate, older_step, older_err))
             continue

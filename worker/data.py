@@ -20,7 +20,7 @@ microbatch_size` of the source it comes from (a replay source has its own geomet
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,8 @@ from worker.model import special_token_ids
 from worker.records import Record, read_records
 
 IGNORE_INDEX = -100  # label of a position that is not a target (torch's cross_entropy default)
+# Records encoded per tokenizer call; each batch done is progress (a corpus takes minutes).
+ENCODE_BATCH = 4096
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -202,10 +204,13 @@ def _cumulative_counts(schedule: np.ndarray, sources: int) -> np.ndarray:
     return counts
 
 
-def load_phase_data(phase: Phase, tokenizer: Tokenizer) -> PhaseData:
+def load_phase_data(
+    phase: Phase, tokenizer: Tokenizer, progress: Callable[[], None] | None = None
+) -> PhaseData:
     """Read and encode every source of `phase`. A supervised record that cannot be encoded
     within its source's sequence_length, or that has no target tokens, is refused here, before
-    the first step, with its file, line and lengths; nothing is truncated."""
+    the first step, with its file, line and lengths; nothing is truncated. `progress` is called
+    after each file read and each ENCODE_BATCH records encoded."""
     from worker.inspect import summarize
 
     _, pad_id = special_token_ids(tokenizer)
@@ -213,12 +218,14 @@ def load_phase_data(phase: Phase, tokenizer: Tokenizer) -> PhaseData:
     reports = []
     for geometry in phase.sources():
         records = read_records(geometry.path)
+        if progress is not None:
+            progress()
         if not records:
             raise DataError(f"{geometry.path}: no records (phase {phase.name!r})")
         seq = geometry.sequence_length
         if geometry.objective == "continued_pretrain":
             _require_kind(records, "text", geometry, phase)
-            encoded = encode_records(tokenizer, records, sequence_length=None)
+            encoded = _encode(tokenizer, records, sequence_length=None, progress=progress)
             tokens = np.concatenate([e.ids for e in encoded])
             if len(tokens) < seq + 1:
                 raise DataError(
@@ -228,7 +235,7 @@ def load_phase_data(phase: Phase, tokenizer: Tokenizer) -> PhaseData:
             sources.append(TextSource(geometry=geometry, tokens=tokens))
         else:
             _require_kind(records, "supervised", geometry, phase)
-            encoded = encode_records(tokenizer, records, sequence_length=seq)
+            encoded = _encode(tokenizer, records, sequence_length=seq, progress=progress)
             _refuse_unusable(records, encoded, geometry, phase)
             sources.append(RecordSource(geometry=geometry, records=encoded))
         if phase.inspection is not None:
@@ -249,6 +256,24 @@ def load_phase_data(phase: Phase, tokenizer: Tokenizer) -> PhaseData:
         grad_accum=phase.grad_accum,
         reports=reports,
     )
+
+
+def _encode(
+    tokenizer: Tokenizer,
+    records: list[Record],
+    *,
+    sequence_length: int | None,
+    progress: Callable[[], None] | None,
+) -> list[Encoded]:
+    """encode_records, ENCODE_BATCH records at a time (each encoded alone, so the batches
+    change nothing), calling `progress` after each batch."""
+    encoded: list[Encoded] = []
+    for start in range(0, len(records), ENCODE_BATCH):
+        batch = records[start : start + ENCODE_BATCH]
+        encoded += encode_records(tokenizer, batch, sequence_length=sequence_length)
+        if progress is not None:
+            progress()
+    return encoded
 
 
 def _require_kind(records: list[Record], want: str, geometry: SourceGeometry, phase: Phase) -> None:

@@ -224,12 +224,12 @@ def train_phase(
     directory = checkpoints_dir(claim.artifact_dir)
     remove_stale_temporaries(directory)
 
-    # Preparation reports nothing for a while (reading and encoding data, loading a
-    # checkpoint): the lease keeper holds the lease meanwhile, and each stage done is progress.
+    # Preparation reports nothing for minutes (reading and encoding data, verifying a
+    # checkpoint): the lease keeper holds the lease meanwhile, and each file read, batch of
+    # records encoded, MiB hashed or stage done is progress.
     configure_determinism(device)
     tokenizer = load_tokenizer(workflow.tokenizer)
-    data = load_phase_data(phase, tokenizer)
-    reporter.progress()
+    data = load_phase_data(phase, tokenizer, reporter.progress)
     # Eval files are read once per phase, at one geometry per task for the whole run, and
     # before the first step: a bad eval file fails the phase now, not after hours of training.
     eval_data = [
@@ -250,6 +250,7 @@ def train_phase(
         claim,
         offsets,
         on_quarantine=lambda q: reporter.checkpoint_removed(q.step, "quarantined", q.reason),
+        progress=reporter.progress,
     )
     if resumed is not None:
         load_weights(model, resumed.path)

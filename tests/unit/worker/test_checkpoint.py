@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from contracts.signature import sha256_file
 from contracts.workflow import OptimizerSpec, Workflow
 from worker.checkpoint import (
     MANIFEST,
@@ -256,3 +258,32 @@ def test_retention_ignores_leftovers_newer_than_the_registered_step(tmp_path: Pa
     # registered by the attempt that resumed from 4.
     expired = select_expired(tmp_path, keep_last=2, newest=6)
     assert [p.name for _, p in expired] == ["step-00000002"]
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_loading_a_checkpoint_is_progress_for_every_chunk_it_hashes(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
+) -> None:
+    """A large checkpoint takes minutes to verify: each MiB hashed tells the lease keeper the
+    worker is not hung."""
+    model, optimizers = trained(workflow)
+    path = save(tmp_path / "checkpoints", 3, model, tokenizer, optimizers)
+    # A part of 2.5 MiB beside the small ones, listed in the manifest as any part is.
+    big = path / "extra.bin"
+    big.write_bytes(bytes(range(256)) * (10 * 1024))
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["extra.bin"] = {"sha256": sha256_file(big), "size": big.stat().st_size}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+    progress = Counter()
+    load_checkpoint(path, progress=progress)
+    chunks = [math.ceil(f["size"] / 2**20) for f in manifest["files"].values()]
+    assert progress.calls == sum(chunks)
+    assert math.ceil(big.stat().st_size / 2**20) == 3

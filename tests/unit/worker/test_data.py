@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from contracts.workflow import Phase
 from worker.data import (
+    ENCODE_BATCH,
     IGNORE_INDEX,
     Batch,
     PhaseData,
@@ -576,3 +577,23 @@ def test_a_supervised_source_holds_its_records_as_the_one_encoder_encodes_them(
     assert [e.ids.tolist() for e in source.records] == [e.ids.tolist() for e in expected]
     assert data.reports == []  # no inspection gate, no report
     assert tokenizer.token_to_id(EOS_TOKEN) == int(source.records[0].ids[-1])
+
+
+def test_reading_and_encoding_a_corpus_is_progress_per_file_and_per_batch_of_records(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    """Encoding a large corpus takes minutes: each file read and each ENCODE_BATCH records
+    encoded tell the lease keeper the worker is not hung."""
+    text = write_lines(tmp_path / "text.txt", ["the cat sat on the mat"] * (2 * ENCODE_BATCH + 1))
+    calls: list[int] = []
+    data = load_phase_data(
+        phase([text], objective="continued_pretrain"),
+        tokenizer,
+        progress=lambda: calls.append(1),
+    )
+    assert len(calls) == 1 + 3  # the file read, then three batches of records encoded
+    # Encoded in batches, the same tokens as in one.
+    (source,) = data.sources
+    assert isinstance(source, TextSource)
+    whole = encode_records(tokenizer, read_records(str(text)), sequence_length=None)
+    assert source.tokens.tolist() == np.concatenate([e.ids for e in whole]).tolist()
