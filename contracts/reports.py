@@ -164,9 +164,9 @@ class CheckpointRemoval(BaseModel):
 
 
 class CheckpointRegistered(BaseModel):
-    """The answer to a checkpoint registration: the steps of this run's checkpoints that an
-    unfinished run starts from as its initial checkpoint, at the moment of the answer.
-    Retention keeps them (they are pinned)."""
+    """The answer to a checkpoint registration: the steps of this run's checkpoints that
+    another run still needs as its initial checkpoint (it has not succeeded and has no
+    checkpoint of its own), at the moment of the answer. Retention keeps them (pinned)."""
 
     accepted: int
     pinned_steps: list[int] = []

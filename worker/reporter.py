@@ -50,7 +50,8 @@ class Reporter(Protocol):
     def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
         """Register a checkpoint; called only once it is complete on disk. None while the
         registration is still queued; once the service holds it, the run's pinned steps from
-        its answer (checkpoints an unfinished run starts from: retention keeps them)."""
+        its answer (checkpoints another run still needs as its initial weights: it has not
+        succeeded and has no checkpoint of its own; retention keeps them)."""
 
     def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
         """Report that this run's checkpoint at `step` is to be deleted (retention) or was

@@ -182,7 +182,7 @@ def checkpoints(
     token: WorkerDep,
 ) -> CheckpointRegistered:
     """Register a complete checkpoint; the answer lists the run's pinned steps (checkpoints an
-    unfinished run starts from), which the worker's retention keeps."""
+    run still needs as its initial weights), which the worker's retention keeps."""
     checkpoint = register_checkpoint(
         session=session,
         attempt_id=attempt_id,
