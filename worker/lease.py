@@ -143,7 +143,15 @@ class LeaseKeeper:
                 log.exception("heartbeat of attempt %s failed", self._attempt_id)
         else:
             return  # stopped by the attempt's end
-        if self._abandon_seconds is not None and not self._done.wait(self._abandon_seconds):
+        if self._abandon_seconds is not None:
+            # The keeper's work is done; a watchdog waits for the attempt to end.
+            threading.Thread(
+                target=self._watch_for_the_end, name=f"abandon-{self._attempt_id}", daemon=True
+            ).start()
+
+    def _watch_for_the_end(self) -> None:
+        assert self._abandon_seconds is not None
+        if not self._done.wait(self._abandon_seconds):
             log.critical(
                 "attempt %s was told to stop %.0f s ago and has not: its training thread "
                 "hangs; ending this process (exit %d) so that a fresh one takes work",
