@@ -2,7 +2,8 @@
 against a live `trainctl serve` holding a finished run and a running one.
 
 Screenshots are kept in tests/e2e/artifacts/: run-page.png (a running run, after a live update),
-finished-run-page.png and runs-table.png.
+finished-run-page.png, runs-table.png, waiting-runs-table.png and waiting-run-page.png (a queued
+run no worker serves) and workers.png (the runs table with its workers panel).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from e2e_support import (
     TASKS,
@@ -72,6 +74,22 @@ def open_run(driver: WebDriver, live: LiveStack, run_id: str) -> None:
         "window.trainctl.page.plots.loss.data[0].length > 0",
         "the run page draws its loss chart",
     )
+
+
+def ping_worker(live: LiveStack, *, hostname: str, pid: int, version: str) -> None:
+    """A worker process saying it is there and serves the stack's queue, as `trainctl worker`
+    does every few seconds."""
+    body = {
+        "hostname": hostname,
+        "pid": pid,
+        "version": version,
+        "queue": live.stack.env["TRAINCTL_QUEUE"],
+    }
+    headers = {"Authorization": f"Bearer {live.stack.worker_token}"}
+    response = httpx.post(
+        f"{live.url}/internal/workers/ping", json=body, headers=headers, timeout=30
+    )
+    assert response.status_code == 200, response.text
 
 
 def chart_points(driver: WebDriver, chart: str) -> list[list[Any]]:
@@ -258,4 +276,74 @@ def test_finished_run_page_shows_its_history_and_stops_following(
         )
         assert latest.text == str(TOTAL_STEPS)
         browser.save_screenshot(str(artifacts / "finished-run-page.png"))
+        assert_no_console_errors(browser)
+
+
+def test_a_queued_run_says_it_waits_for_a_worker_until_one_pings_and_the_workers_are_listed(
+    tmp_path: Path, postgres_url: str, redis_url: str, browser: WebDriver, artifacts: Path
+) -> None:
+    with live_stack(tmp_path, postgres_url, redis_url) as live:
+        run_id = str(live.submit("queued-e2e")["id"])
+
+        # Nobody was ever heard from: the run's row says it waits, the panel has no worker.
+        sign_in(browser, live)
+        wait_for(browser, "document.querySelectorAll('#runs-table tbody tr').length === 1", "row")
+        row = browser.find_element(By.CSS_SELECTOR, f"#runs-table tr[data-run-id='{run_id}']")
+        assert row.find_elements(By.TAG_NAME, "td")[1].text == "queued\nwaiting for a worker"
+        wait_for(browser, "!document.querySelector('#workers-empty').hidden", "no workers")
+        assert browser.find_element(By.ID, "workers-empty").text.startswith(
+            "No worker has been heard from."
+        )
+        assert not browser.find_element(By.ID, "workers-table").is_displayed()
+        assert browser.find_element(By.ID, "workers-count").text == "0 live of 0"
+        browser.save_screenshot(str(artifacts / "waiting-runs-table.png"))
+        assert_no_console_errors(browser)
+
+        # The run page says so too ...
+        browser.find_element(By.LINK_TEXT, "queued-e2e").click()
+        wait_for(browser, "window.trainctl.page && window.trainctl.page.live === 'live'", "live")
+        waiting = browser.find_element(By.ID, "run-waiting")
+        assert waiting.is_displayed() and waiting.text.startswith("Waiting for a worker"), (
+            waiting.text
+        )
+        assert browser.find_element(By.ID, "run-status").text == "queued"
+        browser.save_screenshot(str(artifacts / "waiting-run-page.png"))
+
+        # ... until a worker of its queue pings: the stream brings the change, no reload.
+        ping_worker(live, hostname="e2e-gpu-1", pid=4242, version="0.1.0-e2e")
+        wait_for(browser, "document.querySelector('#run-waiting').hidden", "the wait notice goes")
+        assert_no_console_errors(browser)
+
+        # The worker claims the run (ReportingWorker claims as e2e-gpu-1, pid 4242): the
+        # panel lists it, live, with its version from the ping and the run it is running.
+        live.claim_next(run_id)
+        browser.find_element(By.CSS_SELECTOR, ".topbar nav a").click()
+        wait_for(
+            browser, "document.querySelectorAll('#workers-table tbody tr').length === 1", "worker"
+        )
+        worker = browser.find_element(By.CSS_SELECTOR, "#workers-table tbody tr")
+        assert worker.get_attribute("data-live") == "true"
+        host, version, queue, state, seen, running = [
+            td.text for td in worker.find_elements(By.TAG_NAME, "td")
+        ]
+        assert (host, version, queue) == (
+            "e2e-gpu-1:4242",
+            "0.1.0-e2e",
+            live.stack.env["TRAINCTL_QUEUE"],
+        )
+        assert state == "live" and seen.endswith(" s ago"), seen
+        assert running == run_id
+        assert browser.find_element(By.ID, "workers-count").text == "1 live of 1"
+        assert browser.find_element(By.ID, "workers-empty").is_displayed() is False
+        row = browser.find_element(By.CSS_SELECTOR, f"#runs-table tr[data-run-id='{run_id}']")
+        assert row.find_elements(By.TAG_NAME, "td")[1].text == "running"
+        browser.save_screenshot(str(artifacts / "workers.png"))
+
+        # The worker's run link opens the run page, which no longer waits.
+        worker.find_element(By.LINK_TEXT, run_id).click()
+        wait_for(
+            browser, "document.querySelector('#run-title').textContent === 'queued-e2e'", "page"
+        )
+        wait_for(browser, "document.querySelector('#run-status').textContent === 'running'", "run")
+        assert not browser.find_element(By.ID, "run-waiting").is_displayed()
         assert_no_console_errors(browser)
