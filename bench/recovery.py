@@ -4,7 +4,8 @@ worker training a phase to the first optimizer step of the next attempt, and wha
 the service itself (the API process stopped and started again) costs a run that is training.
 
 Each stack is the API (`trainctl up --workers 0`, or `trainctl serve` on a fresh Postgres
-database and its own Redis queue) and two `trainctl worker` processes started here. A
+database and its own Redis queue) and two `trainctl worker` processes started here, each
+serving its Prometheus metrics on a port of its own (TRAINCTL_METRICS_PORT). A
 repetition submits the demo's pretraining phase alone (400 steps, or for a restart as many as
 it could train meanwhile at full speed; a checkpoint every 20, no evals) and waits until the
 run reports step >= 30 (--kill-at). Then, by kind (--kinds):
@@ -26,8 +27,8 @@ run reports step >= 30 (--kill-at). Then, by kind (--kinds):
   kept down for 3 x TRAINCTL_LEASE_SECONDS, and started again on the same port with the same
   settings (the same TRAINCTL_HOME, or the same database). Measured: down (SIGTERM -> the API
   healthy again: the run is not visible); catch-up (-> the `loss` series holds a step after
-  the last one the worker had reached before the restart, the highest step in its log lines
-  about the unreachable service: its spool was delivered); the attempts created, and those
+  the last one the worker had reached before the restart, its `trainctl_worker_step` gauge
+  scraped just before the restart: its spool was delivered); the attempts created, and those
   lost or preempted, from the stop until a lease and two reaper intervals after the restart
   (the reaper's grace at start-up must keep both at 0); steps redone (the last step reached
   minus the checkpoint a new attempt resumed from; 0 without one); the reports in the
@@ -130,7 +131,8 @@ def wait_until(what: str, check: Callable[[], Any], *, timeout: float = WAIT_SEC
 @dataclass
 class Stack:
     """An API and its worker processes; `worker_env` is what a worker needs to join, and
-    `api_args` and `api_env` how the API was started (to start it again)."""
+    `api_args` and `api_env` how the API was started (to start it again); `metrics_ports` the
+    port each worker (by pid) serves its Prometheus metrics on."""
 
     name: str
     tmp: Path
@@ -141,6 +143,7 @@ class Stack:
     api_env: dict[str, str]
     procs: list[Proc] = field(default_factory=list)
     workers: list[Proc] = field(default_factory=list)
+    metrics_ports: dict[int, int] = field(default_factory=dict)
 
     def api(self) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.admin}"}
@@ -148,7 +151,10 @@ class Stack:
 
     def start_worker(self) -> Proc:
         n = sum(1 for p in self.procs if p.log.name.startswith("worker"))
-        proc = Proc(["worker"], env=self.worker_env, log=self.tmp / f"worker-{n + 1}.log")
+        port = free_port()
+        env = {**self.worker_env, "TRAINCTL_METRICS_PORT": str(port)}
+        proc = Proc(["worker"], env=env, log=self.tmp / f"worker-{n + 1}.log")
+        self.metrics_ports[proc.pid] = port
         self.procs.append(proc)
         self.workers.append(proc)
         return proc
@@ -468,10 +474,10 @@ def measure(
 @dataclass
 class RestartSample:
     down: float  # SIGTERM to the API -> healthy again: the run is not visible
-    catch_up: float  # healthy -> the series holds a step after the last one spooled
+    catch_up: float  # healthy -> the series holds a step after the last one reached
     new_attempts: int  # attempts created from the stop to the end of the observation
     lost: int  # of all the run's attempts, those that became lost or preempted meanwhile
-    redone: int  # last step spooled - the checkpoint a new attempt resumed from (0: none)
+    redone: int  # last step reached - the checkpoint a new attempt resumed from (0: none)
     spooled: int  # reports in the worker's spool just before the restart
     while_down: int  # steps trained while the API was down, found in the series after
     missing: int  # steps trained while the API was down but absent from the series: lost
@@ -491,9 +497,17 @@ def spooled_reports(spool: Path) -> int:
     return len(list(spool.glob("*.json"))) if spool.is_dir() else 0
 
 
-# What a worker logs at each report flush and heartbeat that the service did not take
-# (worker/reporter.py, worker/lease.py): the step the loop had reached.
-UNREACHABLE_STEP = re.compile(r"(?:reports|heartbeat) at step (\d+) (?:stay spooled|failed)")
+def worker_step(port: int) -> int:
+    """The last step a worker trained: its `trainctl_worker_step` gauge (worker/metrics.py),
+    set after every optimizer step, read from the metrics it serves on `port`."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError as err:
+        raise BenchError(f"the worker's metrics on port {port}: {err}") from err
+    found = re.search(r"^trainctl_worker_step (\S+)$", text, re.MULTILINE)
+    if found is None:
+        raise BenchError(f"no trainctl_worker_step gauge in the worker's metrics on port {port}")
+    return int(float(found.group(1)))
 
 
 def measure_restart(
@@ -527,21 +541,12 @@ def measure_restart(
         return newest if newest > shown else None
 
     last_seen: int = wait_until("a report batch", batch_arrived)
-    log_from = trainer.log.stat().st_size
     stopped = time.time()
     stack.stop_api()
     time.sleep(max(0.0, stopped + 3 * lease - time.time()))
     read = time.time()
+    reached = worker_step(stack.metrics_ports[trainer.pid])  # the last step before the restart
     spooled = spooled_reports(spool)
-    with open(trainer.log, "rb") as log:
-        log.seek(log_from)
-        logged = [int(m) for m in UNREACHABLE_STEP.findall(log.read().decode(errors="replace"))]
-    if not logged:
-        raise BenchError(
-            f"{trainer.log.name} says nothing about an unreachable service while the API was "
-            f"down (looked for {UNREACHABLE_STEP.pattern!r}):\n{trainer.tail()}"
-        )
-    reached = max(logged)  # the last step the worker had reached before the restart
     stack.restart_api()
     healthy = time.time()
 
