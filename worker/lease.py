@@ -80,6 +80,12 @@ class LeaseKeeper:
         with self._lock:
             return self._reachable
 
+    def unreachable(self) -> None:
+        """Another request found the service unreachable: take it as the keeper's own failed
+        beat (the next beat that gets an answer says otherwise)."""
+        with self._lock:
+            self._reachable = False
+
     @property
     def progress(self) -> int:
         with self._lock:

@@ -238,6 +238,7 @@ class ServiceReporter:
                     continue
                 except ServiceUnavailable as err:
                     log.warning("service unreachable; spooling reports from now on: %s", err)
+                    self.lease.unreachable()
                     delivered = False
             self._spool.append(report)
             metrics.SPOOLED.inc()
@@ -252,6 +253,7 @@ class ServiceReporter:
             except ServiceUnavailable as err:
                 left = len(self._spool.entries())
                 log.warning("service unreachable; %d reports stay spooled: %s", left, err)
+                self.lease.unreachable()
                 return False
             self._spool.remove(path)
             metrics.UNSPOOLED.inc()

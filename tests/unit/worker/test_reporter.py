@@ -166,8 +166,12 @@ def test_an_outage_spools_reports_to_disk_and_they_arrive_in_order_exactly_once(
     service.failing = False
     clock.now += 5
     reporter.metrics(3, {"loss": 1.0})
+    assert reporter.check(3) == "continue"  # the loop waits for the keeper to hear it back
+    assert service.received == []
+    assert reporter.lease.beat() == "continue"  # the keeper's next heartbeat gets through
     assert reporter.check(3) == "continue"
     assert service.received == [
+        "heartbeat",
         "metrics:1",
         "checkpoint:1",
         "metrics:2",
@@ -274,6 +278,8 @@ def test_a_stop_answer_ends_all_reporting_and_drops_the_spool(claim: Claim, tmp_
     assert reporter.check(1) == "continue"  # not due yet: no request
     service.failing = False
     service.superseded = {"metrics"}  # the spool is refused: the lease lapsed meanwhile
+    service.action = "continue"  # (the keeper hears the service back before the refusal)
+    assert reporter.lease.beat() == "continue"
     clock.now += 5
     with pytest.raises(Superseded):
         reporter.check(2)
@@ -281,7 +287,7 @@ def test_a_stop_answer_ends_all_reporting_and_drops_the_spool(claim: Claim, tmp_
     reporter.metrics(3, {"loss": 1.0})
     assert reporter.checkpoint(ref(3)) is None
     assert reporter.check(3, now=True) == "stop"
-    assert service.received == []
+    assert service.received == ["heartbeat"]
 
     service = Service(action="stop")
     reporter = reporter_for(service, claim, clock, tmp_path)

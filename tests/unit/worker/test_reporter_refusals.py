@@ -79,8 +79,8 @@ def test_a_report_refused_for_good_is_dropped_and_does_not_hold_back_the_rest(
     assert reporter.checkpoint(ref(1)) == frozenset()  # the refused points are dropped
     service.refuse = None
     reporter.metrics(2, {"loss": 1.0})
-    assert reporter.check(2) == "continue"
-    assert service.requests == ["metrics", "checkpoints", "metrics"]
+    assert reporter.check(2, now=True) == "continue"
+    assert service.requests == ["metrics", "checkpoints", "metrics", "heartbeat"]
     assert not list((tmp_path / claim.attempt_id).glob("*.json"))
 
 
@@ -141,3 +141,25 @@ def test_a_refused_success_ends_the_attempt_as_an_infrastructure_failure(
     assert succeeded["status"] == "succeeded"
     assert (failed["status"], failed["cause"]) == ("failed", "infrastructure")
     assert "finish refused" in failed["message"] and "unverified_finish" in failed["message"]
+
+
+def test_the_first_report_that_finds_the_service_down_stops_the_loop_trying(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """One retry cycle is paid once, by the report that finds the outage, not again by every
+    flush until the keeper's own heartbeat fails too."""
+    service = Service()
+    claim = claim_of(make_workflow, make_claim, make_text_file)
+    reporter = reporter_for(service, claim, tmp_path)
+    service.down = True
+    reporter.metrics(1, {"loss": 1.0})
+    assert reporter.check(1, now=True) == "continue"  # the fencing check before a checkpoint
+    assert service.requests == ["metrics"] * 3  # one try and its two retries, and no beat
+    assert not reporter.lease.reachable
+    reporter.metrics(2, {"loss": 1.0})
+    assert reporter.check(2) == "continue"
+    assert reporter.checkpoint(ref(2)) is None
+    assert service.requests == ["metrics"] * 3  # nothing more
