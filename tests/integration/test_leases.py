@@ -357,6 +357,18 @@ def expire_now(api: Api, attempt_id: str, seconds_ago: float) -> None:
         session.commit()
 
 
+def reaper_over(sessions: Any, **overrides: Any) -> Reaper:
+    """A reaper of this test's own (the app's sleeps), one-second passes, stall at 2 leases."""
+    values: dict[str, Any] = {
+        "dispatch": lambda: None,
+        "interval": 1,
+        "lease_seconds": LEASE,
+        "stall_seconds": 2 * LEASE,
+        **overrides,
+    }
+    return Reaper(session_factory=sessions, **values)
+
+
 def test_the_reaper_gives_leases_a_period_of_grace_when_it_starts(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
@@ -367,13 +379,7 @@ def test_the_reaper_gives_leases_a_period_of_grace_when_it_starts(
     assert worker.claim().status_code == 200
     expire_now(api, attempt_id, seconds_ago=3 * LEASE)
 
-    reaper = Reaper(
-        session_factory=api.sessions,
-        dispatch=lambda: None,
-        interval=1,
-        lease_seconds=LEASE,
-        stall_seconds=2 * LEASE,
-    )
+    reaper = reaper_over(api.sessions)
     started = utcnow()
     assert reaper.reap(started) == []  # the first pass: grace
     row = attempt_row(api, attempt_id)
@@ -411,13 +417,7 @@ def test_the_reaper_gives_grace_again_after_the_database_comes_back(
     worker = Claimant(api, attempt_id, api.worker, nonce="n")
     assert worker.claim().status_code == 200
     sessions = FailingOnce(api.sessions)
-    reaper = Reaper(
-        session_factory=sessions,  # type: ignore[arg-type]
-        dispatch=lambda: None,
-        interval=1,
-        lease_seconds=LEASE,
-        stall_seconds=2 * LEASE,
-    )
+    reaper = reaper_over(sessions)
     assert reaper.reap() == [] and reaper.graces == 1
     sessions.fail = True
     assert reaper.reap() == []  # the outage: a failed pass
@@ -449,13 +449,7 @@ def test_a_pass_that_fails_for_another_reason_than_an_outage_owes_no_grace(
     _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
     assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
     sessions = FailingOnce(api.sessions)
-    reaper = Reaper(
-        session_factory=sessions,  # type: ignore[arg-type]
-        dispatch=lambda: None,
-        interval=1,
-        lease_seconds=LEASE,
-        stall_seconds=2 * LEASE,
-    )
+    reaper = reaper_over(sessions)
     assert reaper.reap() == [] and reaper.graces == 1
     sessions.fail = True
     sessions.error = IntegrityError("INSERT", {}, Exception("duplicate key"))
@@ -473,14 +467,7 @@ def test_a_process_that_was_frozen_grants_grace_before_it_judges_a_lease(
     _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
     assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
     clock = [1000.0]
-    reaper = Reaper(
-        session_factory=api.sessions,
-        dispatch=lambda: None,
-        interval=1,
-        lease_seconds=LEASE,
-        stall_seconds=2 * LEASE,
-        clock=lambda: clock[0],
-    )
+    reaper = reaper_over(api.sessions, clock=lambda: clock[0])
     assert reaper.reap() == [] and reaper.graces == 1
     clock[0] += 1.5
     assert reaper.reap() == [] and reaper.hearing()
