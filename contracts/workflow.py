@@ -137,6 +137,14 @@ class Phase(_Strict):
     lr_scale: float = Field(1.0, gt=0)
     # When set, the phase does not start unless inspecting its data meets these limits.
     inspection: InspectionGate | None = None
+    # "reset": fresh Muon and AdamW state at the phase's first step; "carry": both optimizers'
+    # state (momentum, moments, AdamW's step count) goes on from the previous phase's final
+    # checkpoint, matched by parameter name. The learning-rate schedule and its warm-up are
+    # the phase's own either way. Left out of the normalised form (and so of the signature)
+    # at its default: workflows written before the field keep their signature.
+    optimizer_state: Literal["reset", "carry"] = Field(
+        "reset", exclude_if=lambda value: value == "reset"
+    )
 
     def sources(self) -> list[SourceGeometry]:
         """Each data source with its defaults resolved from the phase."""
@@ -379,6 +387,16 @@ def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
                 seen[name] = i
         seq, mbs = raw.get("sequence_length"), raw.get("microbatch_size")
         problems += _geometry_problems(f"phases[{i}]", seq, mbs, envelope, max_positions)
+        if i == 0 and raw.get("optimizer_state") == "carry":
+            add(
+                Problem(
+                    path="phases[0].optimizer_state",
+                    message=(
+                        '"carry" continues the previous phase\'s optimizer state, and the '
+                        'first phase has none; use "reset" (the default)'
+                    ),
+                )
+            )
         schedule, steps = raw.get("schedule"), raw.get("steps")
         if isinstance(schedule, dict) and isinstance(steps, int):
             warmup = schedule.get("warmup_steps")

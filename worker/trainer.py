@@ -257,15 +257,20 @@ def train_phase(
     elif claim.initial_checkpoint is not None:
         load_weights(model, claim.initial_checkpoint)
     optimizers = build_optimizers(model, workflow.optimizer)
-    # A checkpoint inside this phase continues it; the previous phase's final one only supplies
-    # weights (fresh optimizers, the phase's own seed).
+    # A checkpoint inside this phase continues it: optimizer state and RNG. The previous
+    # phase's final one supplies the weights, and its optimizer state when this phase carries
+    # it; the RNG is then the phase's own seed, as at every phase start (an uninterrupted run
+    # starts each phase from that checkpoint in a fresh attempt too, so both stay exact).
     inside = resumed if resumed is not None and resumed.state.phase_index == phase_index else None
+    carried = resumed if inside is None and phase.optimizer_state == "carry" else None
     if inside is not None:
         optimizers.load_state_dict(inside.optimizer)
         if restore_rng:
             set_rng_state(inside.rng)
         else:
             log.warning("not restoring the RNG (TRAINCTL_TEST_SKIP_RNG_RESTORE): inexact resume")
+    elif carried is not None:
+        optimizers.load_state_dict(carried.optimizer)
     start = inside.state.step if inside is not None else offset
     tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
     resumed_from = None
@@ -340,7 +345,7 @@ def train_phase(
                 raise NonFiniteLoss(
                     _non_finite_message(loss_value, norm_value, step, phase, keeper.latest)
                 )
-            if step == start + 1 and inside is not None:
+            if step == start + 1 and (inside is not None or carried is not None):
                 optimizers.step_checking_coverage()  # copies every parameter, this step only
             else:
                 optimizers.step()

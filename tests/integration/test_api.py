@@ -592,3 +592,17 @@ def test_concurrent_claims_have_exactly_one_winner(
         assert attempt is not None
         # The attempt holds the winner's claim, and no loser's.
         assert (attempt.fencing_token, attempt.worker_pid) == (answer.fencing_token, pid)
+
+
+def test_carrying_optimizer_state_into_the_first_phase_answers_422_naming_it(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    doc = tiny_workflow()
+    doc["phases"][0]["optimizer_state"] = "carry"
+    response = api.client.post("/workflows/validate", json=doc, headers=api.admin)
+    error = assert_error(response, 422, "invalid_workflow")
+    assert [d["path"] for d in error["details"]] == ["phases[0].optimizer_state"]
+    doc["phases"][0]["optimizer_state"] = "reset"
+    doc["phases"][1]["optimizer_state"] = "carry"
+    response = api.client.post("/workflows/validate", json=doc, headers=api.admin)
+    assert response.status_code == 200, response.text

@@ -153,3 +153,38 @@ def test_sigterm_checkpoints_hands_back_and_loses_no_step(
             assert run["status"] == "succeeded", run
             assert [a["status"] for a in run["attempts"]] == ["preempted", "succeeded"]
             assert_identical_runs(api, run, reference_run(api, body, clean))
+
+
+def test_resume_after_sigkill_right_after_a_carried_boundary_matches_uninterrupted_run(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A replay phase that carries the optimizers' state across its boundary: the worker dies
+    before the phase's first update (after step 6, the previous phase's final checkpoint), and
+    the attempt that replaces it loads that checkpoint's optimizer state, as the uninterrupted
+    run's attempt did."""
+    doc = workflow("continued_pretrain", steps=6)
+    (pretrain,) = doc["phases"]
+    doc["phases"] = [pretrain, {**pretrain, "name": "replay", "optimizer_state": "carry"}]
+    body = {"workflow": doc}
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
+        with stack.api() as api:
+            doomed = stack.worker(
+                **WORKER_ENV, TRAINCTL_TESTING="1", TRAINCTL_TEST_FAILPOINTS="before_step@7"
+            )
+            run_id = api.post("/runs", json=body).json()["id"]
+            assert doomed.popen.wait(timeout=180) == -signal.SIGKILL, doomed.tail()
+            clean = stack.worker(**WORKER_ENV)
+            resume_when_lease_lapses(api, run_id)
+            resumed = wait_for_run(api, run_id, timeout=300, procs=[clean])
+            assert resumed["status"] == "succeeded", resumed
+            assert [(a["phase_index"], a["status"]) for a in resumed["attempts"]] == [
+                (0, "succeeded"),
+                (1, "lost"),
+                (1, "succeeded"),
+            ]
+            reference = reference_run(api, body, clean)
+            assert_identical_runs(api, resumed, reference)
+            # Carried, not reset: AdamW's step count ran on through both phases.
+            _, optimizer = final_state(resumed)
+            assert {int(s["step"]) for s in optimizer["adamw"]["state"].values()} == {12}

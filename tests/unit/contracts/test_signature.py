@@ -130,3 +130,18 @@ def test_the_encoding_rules_are_signed() -> None:
     assert [(d.field, d.stored, d.given) for d in differences] == [
         ("encoder_version", ENCODER_VERSION - 1, ENCODER_VERSION)
     ]
+
+
+def test_optimizer_state_is_signed_only_when_it_carries() -> None:
+    base = compute_signature(workflow=workflow(), digests=DIGESTS)
+    reset = compute_signature(workflow=workflow(optimizer_state="reset"), digests=DIGESTS)
+    carry = compute_signature(workflow=workflow(optimizer_state="carry"), digests=DIGESTS)
+    # The default is left out of the normalised form: runs signed before the field existed
+    # keep their signature (FROZEN above), and "reset" written out is the same run.
+    assert reset.sha256 == base.sha256 == FROZEN
+    assert carry.sha256 != base.sha256
+    [diff] = diff_components(base.components, carry.components)
+    assert (diff.field, diff.stored, diff.given) == ("phases[1].optimizer_state", None, "carry")
+    assert Workflow.model_validate(carry.components["workflow"]).phases[1].optimizer_state == (
+        "carry"
+    )

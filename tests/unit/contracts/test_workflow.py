@@ -339,3 +339,17 @@ def test_plan_without_supervised_phases_has_no_replay(tmp_path: Path) -> None:
     doc = make_workflow(tmp_path)
     doc["phases"] = doc["phases"][:1]
     assert plan(validate_workflow(doc)).replay_token_share == 0.0
+
+
+def test_carrying_optimizer_state_into_the_first_phase_is_refused(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][0]["optimizer_state"] = "carry"
+    doc["phases"][1]["optimizer_state"] = "carry"
+    found = problems_of(doc)
+    assert list(found) == ["phases[0].optimizer_state"]
+    assert "first phase has none" in found["phases[0].optimizer_state"]
+
+    doc["phases"][0]["optimizer_state"] = "reset"
+    assert validate_workflow(doc).phases[1].optimizer_state == "carry"
+    doc["phases"][1]["optimizer_state"] = "keep"
+    assert "phases[1].optimizer_state" in problems_of(doc)

@@ -675,3 +675,155 @@ def test_a_quarantined_resume_checkpoint_is_reported_with_why(
     assert (step, status) == (4, "quarantined")
     assert f"{OPTIMIZER} has SHA-256" in reason
     assert "kept as step-00000004.corrupt-" in reason
+
+
+def _two_phases(text: Path, *, carry: str) -> list[dict[str, Any]]:
+    """Pretraining (steps 1-4), then a replay phase over the same text (steps 5-10) whose
+    `optimizer_state` is `carry`."""
+    return [
+        pretrain_phase(text, steps=4),
+        {
+            "name": "replay",
+            "objective": "continued_pretrain",
+            "data": [text],
+            "steps": 6,
+            "schedule": {"kind": "cosine", "warmup_steps": 2},
+            "optimizer_state": carry,
+        },
+    ]
+
+
+def optimizer_state(path: str | Path) -> dict[str, Any]:
+    return torch.load(Path(path) / OPTIMIZER, weights_only=True)  # type: ignore[no-any-return]
+
+
+def test_a_carried_phase_steps_on_from_the_previous_phase_optimizer_state(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    text = make_text_file()
+    checkpoint = {"every_steps": 1, "keep_last": 10}
+    reset = make_workflow(_two_phases(text, carry="reset"), checkpoint=checkpoint)
+    carry = make_workflow(_two_phases(text, carry="carry"), checkpoint=checkpoint)
+    first = run(make_claim(reset, artifact_dir=tmp_path / "first"), reset, make_reporter())
+    assert first.checkpoint is not None and first.checkpoint.step == 4
+    boundary = optimizer_state(first.checkpoint.path)
+
+    after: dict[str, dict[str, Any]] = {}
+    reporters = {}
+    for name, workflow in (("reset", reset), ("carry", carry)):
+        reporters[name] = make_reporter()
+        claim = make_claim(
+            workflow, phase_index=1, resume_from=first.checkpoint, artifact_dir=tmp_path / name
+        )
+        assert run(claim, workflow, reporters[name]).status == "succeeded"
+        after[name] = optimizer_state(tmp_path / name / "checkpoints" / "step-00000005")
+
+    # Step 5 is the same forward and backward in both (same weights, batch and phase seed), so
+    # its gradient g is too: a reset optimizer's first step holds (1 - beta) g, a carried one
+    # beta * (the boundary's state) + (1 - beta) g. The schedule is the phase's own in both.
+    assert (
+        reporters["carry"].metrics_by_step[5]["loss"]
+        == reporters["reset"].metrics_by_step[5]["loss"]
+    )
+    assert (
+        reporters["carry"].metrics_by_step[5]["lr"] == reporters["reset"].metrics_by_step[5]["lr"]
+    )
+    momentum = carry.optimizer.muon_momentum
+    beta1, beta2 = carry.optimizer.adamw_betas
+    for name, state in after["carry"]["muon"]["state"].items():
+        expected = momentum * boundary["muon"]["state"][name]["momentum_buffer"]
+        expected += after["reset"]["muon"]["state"][name]["momentum_buffer"]
+        torch.testing.assert_close(state["momentum_buffer"], expected)
+    for name, state in after["carry"]["adamw"]["state"].items():
+        held, fresh = boundary["adamw"]["state"][name], after["reset"]["adamw"]["state"][name]
+        assert (int(held["step"]), int(fresh["step"]), int(state["step"])) == (4, 1, 5)
+        torch.testing.assert_close(state["exp_avg"], beta1 * held["exp_avg"] + fresh["exp_avg"])
+        torch.testing.assert_close(
+            state["exp_avg_sq"], beta2 * held["exp_avg_sq"] + fresh["exp_avg_sq"]
+        )
+    a = weights(tmp_path / "reset" / "checkpoints" / "step-00000005")
+    b = weights(tmp_path / "carry" / "checkpoints" / "step-00000005")
+    assert not any(torch.equal(a[n], b[n]) for n in a if n.endswith("proj.weight"))
+
+
+def test_a_carried_phase_resumes_bit_for_bit_at_its_boundary_and_inside_it(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_reporter: Callable[..., Any],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    # Dropout on: a resume that drew other random numbers would differ.
+    workflow = make_workflow(
+        _two_phases(make_text_file(), carry="carry"),
+        model={"attention_dropout": 0.3},
+        checkpoint={"every_steps": 2, "keep_last": 10},
+    )
+    first = run(make_claim(workflow, artifact_dir=tmp_path / "first"), workflow, make_reporter())
+    assert first.checkpoint is not None and first.checkpoint.step == 4
+
+    def phase_two(name: str, start: CheckpointRef) -> tuple[PhaseOutcome, Any]:
+        reporter = make_reporter()
+        claim = make_claim(workflow, phase_index=1, resume_from=start, artifact_dir=tmp_path / name)
+        return run(claim, workflow, reporter), reporter
+
+    straight, straight_reporter = phase_two("straight", first.checkpoint)
+    # An attempt that dies after step 5, before its first checkpoint: the next one starts from
+    # the boundary again, in a process whose random streams are elsewhere.
+    dying = make_reporter()
+
+    def die(step: int, values: dict[str, float]) -> None:
+        type(dying).metrics(dying, step, values)
+        if step == 5:
+            raise KeyboardInterrupt
+
+    dying.metrics = die
+    with pytest.raises(KeyboardInterrupt):
+        run(
+            make_claim(
+                workflow, phase_index=1, resume_from=first.checkpoint, artifact_dir=tmp_path / "b"
+            ),
+            workflow,
+            dying,
+        )
+    torch.manual_seed(12345)
+    np.random.seed(123)
+    random.seed(1)
+    boundary, boundary_reporter = phase_two("b", first.checkpoint)
+    # Inside the carried phase, from its own step-8 checkpoint: its own optimizer state.
+    mid = next(c for c in straight_reporter.checkpoints if c.step == 8)
+    inside, inside_reporter = phase_two("inside", mid)
+
+    assert straight.checkpoint is not None
+    expected_weights = weights(straight.checkpoint.path)
+    expected_optimizer = optimizer_state(straight.checkpoint.path)
+    for outcome, reporter, steps in (
+        (boundary, boundary_reporter, range(5, 11)),
+        (inside, inside_reporter, range(9, 11)),
+    ):
+        assert outcome.status == "succeeded" and outcome.checkpoint is not None
+        assert sorted(reporter.metrics_by_step) == list(steps)
+        for step in steps:
+            assert reporter.metrics_by_step[step] == straight_reporter.metrics_by_step[step] | {
+                "tokens_per_s": reporter.metrics_by_step[step]["tokens_per_s"]
+            }
+        got = weights(outcome.checkpoint.path)
+        assert got.keys() == expected_weights.keys()
+        assert all(torch.equal(got[n], expected_weights[n]) for n in got)
+        assert _same(optimizer_state(outcome.checkpoint.path), expected_optimizer)
+    assert int(expected_optimizer["adamw"]["state"]["lm_head.weight"]["step"]) == 10
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Nested optimizer states equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
