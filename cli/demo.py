@@ -17,14 +17,17 @@ console = Console()
 
 
 def eval_table(answer: dict[str, Any]) -> Table:
-    table = Table(title="per-task evaluation: target-only perplexity")
+    """`GET /runs/{id}/eval` as a table: one row per eval set (by name), with its task."""
+    table = Table(title="evaluation per eval set: target-only perplexity")
+    table.add_column("set", no_wrap=True)
     table.add_column("task", no_wrap=True)
     for column in ("baseline", "final @step", "best @step", "change"):
         table.add_column(column, justify="right", no_wrap=True)
-    for task, summary in sorted(answer["tasks"].items()):
+    for name, summary in sorted(answer["tasks"].items()):
         base, latest, best = summary.get("baseline"), summary["latest"], summary["best"]
         table.add_row(
-            task,
+            name,
+            summary.get("task", name),
             f"{base['perplexity']:.2f}" if base else "-",
             f"{latest['perplexity']:.2f} @{latest['step']}",
             f"{best['perplexity']:.2f} @{best['step']}",
@@ -93,10 +96,10 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
     problems = [
         f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a
     ]
-    for task, summary in evals["tasks"].items():
+    for name, summary in evals["tasks"].items():
         base, latest = summary.get("baseline"), summary["latest"]
         if base is None or latest["perplexity"] >= base["perplexity"]:
-            problems.append(f"task {task}: final perplexity does not beat the baseline")
+            problems.append(f"eval set {name}: final perplexity does not beat the baseline")
     for problem in problems:
         console.print(f"[red]check failed:[/red] {problem}")
     return not problems

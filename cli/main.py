@@ -372,11 +372,13 @@ def runs_watch(
 def runs_eval(
     run_id: RunId,
     max_points: Annotated[
-        int | None, typer.Option(min=1, help="Keep at most this many history points per task.")
+        int | None,
+        typer.Option(min=1, help="Keep at most this many history points per eval set."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Per-task evaluation: baseline, latest and best perplexity (history with --json)."""
+    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity
+    (history with --json)."""
     from cli.demo import eval_table
 
     params = {"max_points": max_points} if max_points else {}

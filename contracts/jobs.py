@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.bounds import NUL_REPLACED
-from contracts.workflow import InspectionGate, Objective, PositiveInt
+from contracts.workflow import InspectionGate, Name, Objective, PositiveInt
 
 JobKind = Literal["inspection", "evaluation"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
@@ -38,6 +38,8 @@ class EvaluateRequest(_Request):
     checkpoint: str
     task: Objective
     data: str
+    # The eval set the result is named after (EvalSpec.name); default: the task.
+    name: Name | None = None
     # Default: the tokenizer saved in the checkpoint directory.
     tokenizer: str | None = None
     sequence_length: PositiveInt

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from contracts.bounds import MAX_COUNT, MAX_HOSTNAME, MAX_NAME, MAX_TASK, NO_NUL, NUL_REPLACED
 from contracts.signature import Digests
@@ -101,8 +101,10 @@ class MetricBatch(BaseModel):
 
 
 class EvalResult(BaseModel):
-    """One task's evaluation at one step: token-weighted, target-only cross-entropy."""
+    """One eval set's evaluation at one step: token-weighted, target-only cross-entropy. Stored
+    and answered by the set's `name` (contracts.workflow.EvalSpec; default: its task)."""
 
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL]
     task: Annotated[str, Field(max_length=MAX_TASK), NO_NUL]
     step: Step
     phase: Annotated[str, Field(max_length=MAX_NAME), NO_NUL]
@@ -111,6 +113,14 @@ class EvalResult(BaseModel):
     records: Count
     target_tokens: Count
     oversized_records: Count = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_defaults_to_task(cls, data: Any) -> Any:
+        # A report spooled by a worker from before eval sets had names.
+        if isinstance(data, dict) and data.get("name") is None and "task" in data:
+            return {**data, "name": data["task"]}
+        return data
 
 
 class EvalBatch(BaseModel):

@@ -16,7 +16,14 @@ from collections.abc import Callable
 from pathlib import PurePath
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from contracts.bounds import MAX_COUNT, MAX_NAME, NO_NUL
@@ -75,6 +82,9 @@ class CheckpointSpec(_Strict):
 
 
 class EvalSpec(_Strict):
+    # What the set's results are stored and answered under; by default its task. Two sets of
+    # one task (a QA mixture and a RAG set, say) need names of their own.
+    name: Name
     task: Objective
     data: str
     every_steps: PositiveInt = 100
@@ -83,6 +93,13 @@ class EvalSpec(_Strict):
     sequence_length: PositiveInt | None = None
     # Rows per forward pass; the number does not depend on it (only memory and speed do).
     batch_size: PositiveInt = 8
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_defaults_to_task(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("name") is None and "task" in data:
+            return {**data, "name": data["task"]}
+        return data
 
 
 class DataSource(_Strict):
@@ -232,8 +249,15 @@ class Workflow(_Strict):
         return max(s.sequence_length for p in self.phases for s in p.sources())
 
     def normalized(self) -> dict[str, Any]:
-        """Canonical JSON-able form: defaults filled in, used for storage and the signature."""
-        return self.model_dump(mode="json")
+        """Canonical JSON-able form: defaults filled in, used for storage and the signature.
+        An eval set's name is left out where it is its default (the task): a document that
+        gives it and one that does not mean the same, and runs signed before eval sets had
+        names keep their signatures."""
+        out = self.model_dump(mode="json")
+        for spec in out["evals"]:
+            if spec["name"] == spec["task"]:
+                del spec["name"]
+        return out
 
 
 # --- validation ---------------------------------------------------------------------------
@@ -436,7 +460,22 @@ def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
 
     raw_evals = doc.get("evals")
     evals = raw_evals if isinstance(raw_evals, list) else []
+    set_names: dict[str, int] = {}
     for k, ev in enumerate(evals):
+        set_name = (ev.get("name") or ev.get("task")) if isinstance(ev, dict) else None
+        if isinstance(set_name, str):
+            if set_name in set_names:
+                add(
+                    Problem(
+                        path=f"evals[{k}].name",
+                        message=(
+                            f"duplicate eval set name {set_name!r} (also "
+                            f"evals[{set_names[set_name]}]); results are stored by name, so "
+                            'give each set of one task a distinct "name"'
+                        ),
+                    )
+                )
+            set_names.setdefault(set_name, k)
         e_seq = ev.get("sequence_length") if isinstance(ev, dict) else None
         if isinstance(max_positions, int) and isinstance(e_seq, int) and e_seq > max_positions:
             add(

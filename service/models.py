@@ -243,13 +243,15 @@ class MetricPoint(Base):
 
 
 class EvalResult(Base):
-    """One task's evaluation at one step: token-weighted, target-only cross-entropy."""
+    """One eval set's evaluation at one step: token-weighted, target-only cross-entropy. A set
+    is keyed by its name (default: its task), so two sets of one task keep their own rows."""
 
     __tablename__ = "evals"
 
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    task: Mapped[str] = mapped_column(String(MAX_TASK), primary_key=True)
+    name: Mapped[str] = mapped_column(String(MAX_NAME), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True)
+    task: Mapped[str] = mapped_column(String(MAX_TASK))
     attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
     phase: Mapped[str] = mapped_column(String(MAX_NAME))
     cross_entropy: Mapped[float | None] = mapped_column(Float)

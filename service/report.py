@@ -152,14 +152,15 @@ def record_evals(
         token=token,
         lease_seconds=lease_seconds,
     )
-    latest = {(r.task, r.step): r for r in batch.results}
+    latest = {(r.name, r.step): r for r in batch.results}
     if latest:
         stmt = insert_for(session, EvalResult).values(
             [
                 {
                     "run_id": attempt.run_id,
-                    "task": r.task,
+                    "name": r.name,
                     "step": r.step,
+                    "task": r.task,
                     "attempt_id": attempt.id,
                     "phase": r.phase,
                     "cross_entropy": finite_or_none(r.cross_entropy),
@@ -172,6 +173,7 @@ def record_evals(
             ]
         )
         updated = (
+            "task",
             "attempt_id",
             "phase",
             "cross_entropy",
@@ -182,7 +184,7 @@ def record_evals(
         )
         session.execute(
             stmt.on_conflict_do_update(
-                index_elements=["run_id", "task", "step"],
+                index_elements=["run_id", "name", "step"],
                 set_={column: stmt.excluded[column] for column in updated},
             )
         )

@@ -67,27 +67,32 @@ EvalPoint = dict[str, Any]
 def summarize_evals(
     points: list[EvalPoint], *, max_points: int | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Per task: `baseline` (the step-0 evaluation, before the first update, or None), `latest`
-    (highest step), `best` (lowest cross-entropy; the earliest on ties) and `history` by step.
-    `points` carry a `task` key, which the answer's points do not."""
-    by_task: dict[str, list[EvalPoint]] = defaultdict(list)
+    """Per eval set, by name: its `task`, `baseline` (the step-0 evaluation, before the first
+    update, or None), `latest` (highest step), `best` (lowest cross-entropy; the earliest on
+    ties) and `history` by step. `points` carry `name` and `task` keys, which the answer's
+    points do not."""
+    by_name: dict[str, list[EvalPoint]] = defaultdict(list)
+    task_of: dict[str, str] = {}
     for point in points:
-        by_task[point["task"]].append({k: v for k, v in point.items() if k != "task"})
-    tasks = {}
-    for task, history in sorted(by_task.items()):
+        task_of[point["name"]] = point["task"]
+        by_name[point["name"]].append({k: v for k, v in point.items() if k not in ("name", "task")})
+    sets = {}
+    for name, history in sorted(by_name.items()):
         history.sort(key=lambda p: p["step"])
         scored = [p for p in history if p["cross_entropy"] is not None]
-        tasks[task] = {
+        sets[name] = {
+            "task": task_of[name],
             "baseline": next((p for p in history if p["step"] == 0), None),
             "latest": history[-1],
             "best": min(scored, key=lambda p: (p["cross_entropy"], p["step"])) if scored else None,
             "history": downsample(history, max_points),
         }
-    return tasks
+    return sets
 
 
 # An eval point as the API answers it, read straight from these columns.
 EVAL_COLUMNS = (
+    EvalResult.name,
     EvalResult.task,
     EvalResult.step,
     EvalResult.phase,
@@ -101,8 +106,9 @@ EVAL_COLUMNS = (
 
 def eval_point(row: Any) -> EvalPoint:
     """A row of EVAL_COLUMNS as a JSON-able point (non-finite numbers as null)."""
-    task, step, phase, ce, ppl, records, target_tokens, oversized = row
+    name, task, step, phase, ce, ppl, records, target_tokens, oversized = row
     return {
+        "name": name,
         "task": task,
         "step": step,
         "phase": phase,

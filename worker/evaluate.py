@@ -30,6 +30,7 @@ from worker.records import read_records
 
 @dataclass(frozen=True)
 class EvalData:
+    name: str  # the eval set's (EvalSpec.name)
     task: str
     path: str
     sequence_length: int
@@ -59,7 +60,9 @@ def load_eval_data(tokenizer: Tokenizer, spec: EvalSpec, *, sequence_length: int
         for start in range(0, max(len(tokens) - 1, 0), sequence_length):
             window = tokens[start : start + sequence_length + 1]
             rows.append(window_row(window, len(window) - 1, pad_id))
-        return EvalData(spec.task, spec.data, sequence_length, rows, len(records), 0, pad_id)
+        return EvalData(
+            spec.name, spec.task, spec.data, sequence_length, rows, len(records), 0, pad_id
+        )
     for record, enc in zip(records, encoded, strict=True):
         if enc.report.zero_target:
             raise DataError(
@@ -68,6 +71,7 @@ def load_eval_data(tokenizer: Tokenizer, spec: EvalSpec, *, sequence_length: int
             )
     fitting = [e for e in encoded if e.report.fits]
     return EvalData(
+        name=spec.name,
         task=spec.task,
         path=spec.data,
         sequence_length=sequence_length,
@@ -91,7 +95,7 @@ def evaluate_task(
     the longest of their batch; padding is never a target, so the batch size changes nothing."""
     if not data.rows:
         raise DataError(
-            f"eval {data.task!r} ({data.path}): nothing to evaluate at sequence_length "
+            f"eval {data.name!r} ({data.path}): nothing to evaluate at sequence_length "
             f"{data.sequence_length} ({data.oversized_records} records too long)"
         )
     device = next(model.parameters()).device
@@ -112,6 +116,7 @@ def evaluate_task(
         model.train(was_training)
     cross_entropy = total_nll.item() / total_tokens  # CPU-GPU sync, once per task
     return EvalResult(
+        name=data.name,
         task=data.task,
         step=step,
         phase=phase,
@@ -161,6 +166,6 @@ def evaluate_checkpoint(
             step, phase = int(saved.get("step", 0)), str(saved.get("phase_name", ""))
         except (ValueError, AttributeError) as err:  # not JSON, not an object, not a number
             raise ConfigError(f"checkpoint {state} is not a trainctl state file: {err}") from err
-    spec = EvalSpec(task=request.task, data=request.data)
+    spec = EvalSpec(name=request.name or request.task, task=request.task, data=request.data)
     data = load_eval_data(tokenizer, spec, sequence_length=request.sequence_length)
     return evaluate_task(model, data, batch_size=request.batch_size, step=step, phase=phase)

@@ -6,8 +6,9 @@ Each event has a name and one JSON object as its `data:`:
   phase, step, attempts, latest checkpoint); a change of heartbeat times alone is not sent.
 - `metrics`: new training metric points as columns, the shape `GET /runs/{id}/metrics` answers:
   `{"series": {"loss": {"steps": [...], "values": [...]}, ...}}`.
-- `evals`: new evaluation results, `{"points": [{"task", "step", "phase", "cross_entropy",
-  "perplexity", "records", "target_tokens", "oversized_records"}, ...]}`.
+- `evals`: new evaluation results, `{"points": [{"name", "task", "step", "phase",
+  "cross_entropy", "perplexity", "records", "target_tokens", "oversized_records"}, ...]}`,
+  one per eval set (`name`, default its task) and step.
 - `rewind`: `{"step", "attempt"}`: an attempt resumed from `step`, and the service dropped the
   run's metric points and evaluations after it (they come again as that attempt reports them).
 - `end`: `{"status"}`, after the final `run`, `metrics` and `evals` of a finished run; then the
@@ -20,7 +21,7 @@ stream. `metrics_after` and `evals_after` skip the steps a client already read w
 `GET /runs/{id}/metrics` and `/eval` (default: everything, from step 0, in batches).
 
 The stream polls the database (POLL_SECONDS) for rows after the steps it sent, per metric name and
-per task, in short sessions: an open stream holds no database connection between polls. Auth is
+per eval set, in short sessions: an open stream holds no database connection between polls. Auth is
 the bearer header, as for every read; the dashboard reads the stream with fetch() so that the
 token never appears in a URL (EventSource cannot send headers).
 """
@@ -77,7 +78,7 @@ def _progress(run: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class StepCursor:
-    """The last step sent per key (metric name or eval task); keys not seen yet start at
+    """The last step sent per key (metric name or eval set name); keys not seen yet start at
     `after`. Keys are unique per step in both tables, so "after the last step sent" is exact."""
 
     after: int
@@ -195,10 +196,10 @@ class RunEvents:
         return [("metrics", {"series": series})], len(rows) == MAX_ROWS_PER_EVENT
 
     def _evals(self, session: Session) -> tuple[list[Event], bool]:
-        # Evaluations are few (tasks x cadence): one filter over the run's rows is cheap.
+        # Evaluations are few (sets x cadence): one filter over the run's rows is cheap.
         sent = [
-            and_(EvalResult.task == task, EvalResult.step <= step)
-            for task, step in self.evals.sent.items()
+            and_(EvalResult.name == name, EvalResult.step <= step)
+            for name, step in self.evals.sent.items()
         ]
         rows = session.execute(
             select(*EVAL_COLUMNS)
@@ -207,14 +208,14 @@ class RunEvents:
                 EvalResult.step > self.evals.after,
                 *(not_(condition) for condition in sent),
             )
-            .order_by(EvalResult.step, EvalResult.task)
+            .order_by(EvalResult.step, EvalResult.name)
             .limit(MAX_ROWS_PER_EVENT)
         ).all()
         if not rows:
             return [], False
         points = [eval_point(row) for row in rows]
         for point in points:
-            self.evals.advance(point["task"], point["step"])
+            self.evals.advance(point["name"], point["step"])
         return [("evals", {"points": points})], len(rows) == MAX_ROWS_PER_EVENT
 
 

@@ -343,8 +343,9 @@ async function openRun(runId) {
     for (const name of METRICS) {
       if (metrics[name]) mergeSeries(current.metrics[name], metrics[name].steps, metrics[name].values);
     }
-    for (const [task, summary] of Object.entries(evals.tasks)) {
-      current.evals[task] = { baseline: summary.baseline, best: summary.best, history: [...summary.history] };
+    // Eval sets by name (default: their task); two sets of one task are two entries.
+    for (const [name, summary] of Object.entries(evals.tasks)) {
+      current.evals[name] = { task: summary.task, baseline: summary.baseline, best: summary.best, history: [...summary.history] };
     }
     const boundaries = () => (current.run ? phaseBoundaries(current.run) : []);
     current.plots = {
@@ -415,9 +416,9 @@ function follow(current) {
       rewind: ({ step }) => {
         current.events += 1;
         for (const series of Object.values(current.metrics)) truncateSeries(series, step);
-        for (const task of Object.values(current.evals)) {
-          task.history = task.history.filter((p) => p.step <= step);
-          task.best = bestOf(task.history);
+        for (const set of Object.values(current.evals)) {
+          set.history = set.history.filter((p) => p.step <= step);
+          set.best = bestOf(set.history);
         }
         queueRedraw(current);
       },
@@ -436,7 +437,7 @@ function follow(current) {
 function cursor(current) {
   const metricSteps = METRICS.map((name) => lastStep(current.metrics[name])).filter((s) => s !== null);
   const evalSteps = Object.values(current.evals)
-    .map((task) => (task.history.length ? task.history[task.history.length - 1].step : null))
+    .map((set) => (set.history.length ? set.history[set.history.length - 1].step : null))
     .filter((s) => s !== null);
   return {
     names: METRICS.join(","),
@@ -446,8 +447,8 @@ function cursor(current) {
 }
 
 function addEval(current, point) {
-  const { task, ...rest } = point;
-  const entry = (current.evals[task] ||= { baseline: null, best: null, history: [] });
+  const { name, task, ...rest } = point;
+  const entry = (current.evals[name] ||= { task, baseline: null, best: null, history: [] });
   const at = entry.history.findIndex((p) => p.step >= rest.step);
   if (at === -1) entry.history.push(rest);
   else if (entry.history[at].step === rest.step) entry.history[at] = rest;
@@ -588,17 +589,18 @@ function changeBadge(tag, percent, extraClass = "") {
 }
 
 function renderEvals(current) {
-  const tasks = Object.keys(current.evals).sort();
+  const names = Object.keys(current.evals).sort();
   const rows = [];
-  for (const task of tasks) {
-    const entry = current.evals[task];
+  for (const name of names) {
+    const entry = current.evals[name];
     const latest = entry.history.length ? entry.history[entry.history.length - 1] : null;
     const percent = change(latest, entry.baseline);
     rows.push(
       el(
         "tr",
-        { dataset: { task } },
-        el("td", {}, task),
+        { dataset: { set: name, task: entry.task } },
+        el("td", {}, name),
+        el("td", {}, entry.task),
         el("td", { class: "num" }, entry.baseline ? formatNumber(entry.baseline.perplexity) : "–"),
         el("td", { class: "num" }, latest ? formatNumber(latest.perplexity) : "–"),
         changeBadge("td", percent, "num"),
@@ -606,17 +608,19 @@ function renderEvals(current) {
         el("td", { class: "num" }, latest ? latest.step : "–"),
       ),
     );
-    let plot = current.plots.evals[task];
+    let plot = current.plots.evals[name];
     if (!plot) {
-      const holder = el("div", { class: "chart", id: `eval-chart-${task}` });
+      const holder = el("div", { class: "chart", id: `eval-chart-${name}` });
       const caption = el("figcaption", { class: "eval-caption" });
-      $("#eval-charts").append(el("figure", { class: "card chart-card", dataset: { task } }, caption, holder));
-      plot = evalChart(holder, task, current.plots.boundaries);
-      current.plots.evals[task] = plot;
+      $("#eval-charts").append(el("figure", { class: "card chart-card", dataset: { set: name } }, caption, holder));
+      plot = evalChart(holder, name, current.plots.boundaries);
+      current.plots.evals[name] = plot;
     }
-    const caption = $(`#eval-charts figure[data-task="${CSS.escape(task)}"] figcaption`);
+    const caption = $(`#eval-charts figure[data-set="${CSS.escape(name)}"] figcaption`);
     caption.replaceChildren(
-      el("strong", {}, task),
+      el("strong", {}, name),
+      " ",
+      name === entry.task ? "" : el("span", { class: "muted" }, `(${entry.task})`),
       " ",
       el(
         "span",
@@ -631,8 +635,8 @@ function renderEvals(current) {
     setEvalData(plot, entry.history, entry.baseline, current.run ? current.run.step : 0);
   }
   $("#eval-table tbody").replaceChildren(...rows);
-  $("#eval-table").hidden = tasks.length === 0;
-  $("#eval-empty").hidden = tasks.length !== 0;
+  $("#eval-table").hidden = names.length === 0;
+  $("#eval-empty").hidden = names.length !== 0;
 }
 
 route();

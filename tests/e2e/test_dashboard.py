@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from e2e_support import (
-    TASKS,
+    SETS,
     TOTAL_STEPS,
     LiveStack,
     eval_results,
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 WAIT_SECONDS = 20
 # How the page writes a negative change (U+2212, not a hyphen).
 MINUS = "\u2212"
-SUMMARIZATION_CHANGE = "#eval-table tr[data-task='summarization'] td.change"
+SUMMARIZATION_CHANGE = "#eval-table tr[data-set='summarization'] td.change"
 
 
 def wait_for(driver: WebDriver, script: str, what: str) -> Any:
@@ -183,10 +183,13 @@ def test_run_page_draws_curves_and_baselines_and_follows_live_updates(
         assert [b["step"] for b in boundaries] == [0, 30, 45]
         assert [b["name"] for b in boundaries][1] == "sft_summarization"
 
-        # Evaluations: one chart per task, perplexity and the baseline as a dashed line.
+        # Evaluations: one chart per eval set (two of qa_reasoning), perplexity and the
+        # baseline as a dashed line.
         charts = browser.execute_script("return Object.keys(window.trainctl.page.plots.evals);")
-        assert sorted(charts) == sorted(TASKS)
-        for task in TASKS:
+        assert sorted(charts) == sorted(SETS)
+        rows = browser.find_elements(By.CSS_SELECTOR, "#eval-table tbody tr")
+        assert {r.get_attribute("data-set"): r.get_attribute("data-task") for r in rows} == SETS
+        for task in SETS:
             eval_steps, perplexity, baseline = browser.execute_script(
                 "return window.trainctl.page.plots.evals[arguments[0]].data;", task
             )
@@ -272,7 +275,7 @@ def test_finished_run_page_shows_its_history_and_stops_following(
         attempts = browser.find_elements(By.CSS_SELECTOR, "#attempts-table tbody tr")
         assert [a.get_attribute("data-status") for a in attempts] == ["succeeded"] * 3
         latest = browser.find_element(
-            By.CSS_SELECTOR, "#eval-table tr[data-task='qa_reasoning'] td:nth-child(6)"
+            By.CSS_SELECTOR, "#eval-table tr[data-set='qa-rag'] td:nth-child(7)"
         )
         assert latest.text == str(TOTAL_STEPS)
         browser.save_screenshot(str(artifacts / "finished-run-page.png"))

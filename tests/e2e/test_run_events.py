@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from e2e_support import (
-    TASKS,
+    SETS,
     TOTAL_STEPS,
     LiveStack,
     eval_results,
@@ -55,7 +55,7 @@ def metric_steps(events: list[tuple[str, Any]]) -> dict[str, list[int]]:
 
 def eval_keys(events: list[tuple[str, Any]]) -> list[tuple[str, int]]:
     return [
-        (p["task"], p["step"]) for name, data in events if name == "evals" for p in data["points"]
+        (p["name"], p["step"]) for name, data in events if name == "evals" for p in data["points"]
     ]
 
 
@@ -79,7 +79,7 @@ def test_events_of_a_finished_run_replay_it_then_end_and_close(
         for metric in METRICS:
             assert steps[metric] == list(range(1, TOTAL_STEPS + 1)), metric
         evals = eval_keys(events)
-        expected = {(t, s) for t in TASKS for s in range(0, TOTAL_STEPS + 1, 5)}
+        expected = {(n, s) for n in SETS for s in range(0, TOTAL_STEPS + 1, 5)}
         assert len(evals) == len(expected) and set(evals) == expected
 
         # What a client already holds is not sent again; `names` picks the series.
@@ -87,7 +87,7 @@ def test_events_of_a_finished_run_replay_it_then_end_and_close(
             read_until_closed(live, run_id, metrics_after=50, evals_after=55, names="loss")
         )
         assert metric_steps(later) == {"loss": list(range(51, TOTAL_STEPS + 1))}
-        assert set(eval_keys(later)) == {(t, 60) for t in TASKS}
+        assert set(eval_keys(later)) == {(n, 60) for n in SETS}
 
         # The same bearer token as every read; nothing streams without it.
         with httpx.Client(base_url=live.url, timeout=10) as client:
@@ -209,7 +209,10 @@ def test_events_follow_a_running_run_with_heartbeats_rewinds_and_its_end(
             assert [d["step"] for n, d in got if n == "run"] == [39]
             worker.evals(eval_results(40, summarize["name"]))
             points = reader.next("evals")["points"]
-            assert {(p["task"], p["step"]) for p in points} == {(t, 40) for t in TASKS}
+            # Two sets of one task (qa_reasoning, qa-rag) arrive as two points.
+            assert {(p["name"], p["task"], p["step"]) for p in points} == {
+                (n, t, 40) for n, t in SETS.items()
+            }
 
             # An idle stream gets a comment every 15 s, so proxies keep it open.
             assert reader.next("comment", timeout=25).startswith("ping")

@@ -606,3 +606,31 @@ def test_carrying_optimizer_state_into_the_first_phase_answers_422_naming_it(
     doc["phases"][1]["optimizer_state"] = "carry"
     response = api.client.post("/workflows/validate", json=doc, headers=api.admin)
     assert response.status_code == 200, response.text
+
+
+def test_two_eval_sets_of_one_task_need_names_and_keep_their_own_results(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    doc = tiny_workflow()
+    [summaries] = doc["evals"]
+    doc["evals"] = [summaries, {**summaries, "data": "pretrain.jsonl"}]
+    response = api.client.post("/workflows/validate", json=doc, headers=api.admin)
+    error = assert_error(response, 422, "invalid_workflow")
+    assert [d["path"] for d in error["details"]] == ["evals[1].name"]
+    assert "duplicate eval set name 'summarization' (also evals[0])" in error["message"]
+
+    doc["evals"][1]["name"] = "summaries-b"
+    created = submit(api, {"workflow": doc})
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+    worker = Worker(api, created.json()["attempts"][0]["id"])
+    claim = worker.claim().json()
+    assert [e.get("name") for e in claim["workflow"]["evals"]] == [None, "summaries-b"]
+    assert worker.evals(
+        [eval_point(0, 5.0), {**eval_point(0, 3.0), "name": "summaries-b"}]
+    ).json() == {"accepted": 2}
+    answer = api.client.get(f"/runs/{run_id}/eval", headers=api.admin).json()["tasks"]
+    assert {name: (s["task"], s["latest"]["cross_entropy"]) for name, s in answer.items()} == {
+        "summarization": ("summarization", 5.0),
+        "summaries-b": ("summarization", 3.0),
+    }

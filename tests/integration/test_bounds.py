@@ -269,6 +269,8 @@ CASES: dict[str, tuple[str, Callable[[Target], Any]]] = {
     ),
     "eval task": ("results[0].task", lambda t: evals(t, task="t" * 65)),
     "eval phase": ("results[0].phase", lambda t: evals(t, phase="p" * 201)),
+    "eval set name": ("results[0].name", lambda t: evals(t, name="n" * 201)),
+    "eval set name with a NUL": ("results[0].name", lambda t: evals(t, name="qa\x00rag")),
     "eval phase with a NUL": ("results[0].phase", lambda t: evals(t, phase="phase\x000")),
     "checkpoint step": (
         "checkpoint.step",

@@ -135,12 +135,28 @@ def row_counts(url: str) -> dict[str, int]:
         engine.dispose()
 
 
+EVAL_ROW = ("run_1", "qa", 4, "att_1", "p", 1.0, 2.7, 3, 30, 0)
+
+
+def eval_rows(url: str, *, named: bool) -> list[tuple[object, ...]]:
+    """The evals table's rows (with `name` last where the revision has it)."""
+    columns = "run_id, task, step, attempt_id, phase, cross_entropy, perplexity, records, "
+    columns += "target_tokens, oversized_records" + (", name" if named else "")
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(row) for row in conn.execute(text(f"SELECT {columns} FROM evals"))]
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_upgrading_a_database_with_runs_keeps_every_row(
     database: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """0004 rebuilds the attempts table on SQLite; its rows and every row that references
-    them (metrics, evals, checkpoints, outbox) must survive, there and back."""
+    them (metrics, evals, checkpoints, outbox) must survive, there and back. 0005 keys evals
+    by set name: an existing row keeps its data and is named after its task."""
     url = (
         f"sqlite:///{tmp_path / 'trainctl.db'}"
         if database == "sqlite"
@@ -150,9 +166,46 @@ def test_upgrading_a_database_with_runs_keeps_every_row(
     fill_0003(url)
     before = row_counts(url)
     assert set(before.values()) == {1}
+    assert eval_rows(url, named=False) == [EVAL_ROW]
     upgrade_database(url)
     assert row_counts(url) == before
+    assert eval_rows(url, named=True) == [(*EVAL_ROW, "qa")]
     downgrade_database(url, "0003")
     assert row_counts(url) == before
+    assert eval_rows(url, named=False) == [EVAL_ROW]
     upgrade_database(url)
     assert row_counts(url) == before
+    assert eval_rows(url, named=True) == [(*EVAL_ROW, "qa")]
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_eval_sets_of_one_task_are_kept_apart_and_downgrade_keeps_the_default_set(
+    database: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        f"sqlite:///{tmp_path / 'trainctl.db'}"
+        if database == "sqlite"
+        else request.getfixturevalue("empty_postgres_url")
+    )
+    upgrade_database(url, "0003")
+    fill_0003(url)
+    upgrade_database(url)
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            for name, step, ce in (("qa-rag", 4, 5.0), ("a-mix", 8, 3.0), ("qa", 8, 2.0)):
+                conn.execute(
+                    text(
+                        "INSERT INTO evals (run_id, name, task, step, attempt_id, phase, "
+                        "cross_entropy, perplexity, records, target_tokens, oversized_records) "
+                        "VALUES ('run_1', :name, 'qa', :step, 'att_1', 'p', :ce, 7.4, 1, 9, 0)"
+                    ),
+                    {"name": name, "step": step, "ce": ce},
+                )
+    finally:
+        engine.dispose()
+    assert row_counts(url)["evals"] == 4
+    downgrade_database(url, "0004")
+    # One row per (run, task, step): the set named after its task wins at steps 4 and 8.
+    kept = sorted((row[2], row[5]) for row in eval_rows(url, named=False))
+    assert kept == [(4, 1.0), (8, 2.0)]

@@ -145,3 +145,24 @@ def test_optimizer_state_is_signed_only_when_it_carries() -> None:
     assert Workflow.model_validate(carry.components["workflow"]).phases[1].optimizer_state == (
         "carry"
     )
+
+
+def test_eval_sets_sign_by_name_and_the_default_name_signs_as_before() -> None:
+    evals = [{"task": "qa_reasoning", "data": "/d/b.jsonl"}]
+    unnamed = Workflow.model_validate({**DOC, "evals": evals})
+    named = Workflow.model_validate({**DOC, "evals": [{**evals[0], "name": "qa_reasoning"}]})
+    other = Workflow.model_validate({**DOC, "evals": [{**evals[0], "name": "qa-rag"}]})
+    # The signature of this workflow before eval sets had names.
+    assert (
+        compute_signature(workflow=unnamed, digests=DIGESTS).sha256
+        == "1ceb180b279962023641f492d234b95c1bc6ce08832e60a11e154a503deec35a"
+    )
+    assert (
+        compute_signature(workflow=named, digests=DIGESTS).sha256
+        == compute_signature(workflow=unnamed, digests=DIGESTS).sha256
+    )
+    renamed = diff_components(
+        compute_signature(workflow=unnamed, digests=DIGESTS).components,
+        compute_signature(workflow=other, digests=DIGESTS).components,
+    )
+    assert [(d.field, d.stored, d.given) for d in renamed] == [("evals[0].name", None, "qa-rag")]

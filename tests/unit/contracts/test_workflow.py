@@ -353,3 +353,46 @@ def test_carrying_optimizer_state_into_the_first_phase_is_refused(tmp_path: Path
     assert validate_workflow(doc).phases[1].optimizer_state == "carry"
     doc["phases"][1]["optimizer_state"] = "keep"
     assert "phases[1].optimizer_state" in problems_of(doc)
+
+
+def test_an_eval_set_is_named_after_its_task_unless_named(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["evals"].append(
+        {"name": "qa-rag", "task": "qa_reasoning", "data": str(tmp_path / "b.jsonl")}
+    )
+    wf = validate_workflow(doc)
+    assert [(e.name, e.task) for e in wf.evals] == [
+        ("summarization", "summarization"),
+        ("qa-rag", "qa_reasoning"),
+    ]
+    # The default name is left out of the canonical form: runs signed before eval sets had
+    # names keep their signatures, and giving the default explicitly changes nothing.
+    normalized = wf.normalized()["evals"]
+    assert "name" not in normalized[0] and normalized[1]["name"] == "qa-rag"
+    doc["evals"][0]["name"] = "summarization"
+    assert validate_workflow(doc).normalized() == wf.normalized()
+    assert validate_workflow(wf.normalized()).evals == wf.evals
+
+
+def test_two_eval_sets_of_one_task_need_distinct_names(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    rag = {"task": "summarization", "data": str(tmp_path / "a.jsonl")}
+    doc["evals"] += [rag, {**rag, "name": "summarization"}]
+    found = problems_of(doc)
+    assert list(found) == ["evals[1].name", "evals[2].name"]
+    assert found["evals[1].name"].startswith(
+        "duplicate eval set name 'summarization' (also evals[0])"
+    )
+    doc["evals"][1]["name"] = "sum-b"
+    doc["evals"][2]["name"] = "sum-c"
+    assert [e.name for e in validate_workflow(doc).evals] == ["summarization", "sum-b", "sum-c"]
+
+
+def test_an_eval_set_name_is_bounded_like_its_column(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["evals"][0]["name"] = "x" * 201
+    assert "evals[0].name" in problems_of(doc)
+    doc["evals"][0]["name"] = "a\0b"
+    assert "NUL" in problems_of(doc)["evals[0].name"]
+    doc["evals"][0]["name"] = ""
+    assert "evals[0].name" in problems_of(doc)

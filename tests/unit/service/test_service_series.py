@@ -39,8 +39,9 @@ def test_json_float_turns_non_finite_values_into_null() -> None:
     assert json_float(1.5) == 1.5
 
 
-def point(task: str, step: int, ce: float | None) -> dict[str, Any]:
+def point(task: str, step: int, ce: float | None, name: str | None = None) -> dict[str, Any]:
     return {
+        "name": name or task,
         "task": task,
         "step": step,
         "phase": "p",
@@ -60,7 +61,8 @@ def test_eval_summary_names_baseline_latest_and_best_per_task() -> None:
     assert qa["latest"]["step"] == 10
     assert qa["best"]["step"] == 5
     assert [p["step"] for p in qa["history"]] == [0, 5, 10]
-    assert "task" not in qa["latest"]
+    assert qa["task"] == "qa"
+    assert "task" not in qa["latest"] and "name" not in qa["latest"]
     # No step-0 evaluation: no baseline, and the rest still works.
     assert tasks["sum"]["baseline"] is None
     assert tasks["sum"]["best"]["step"] == tasks["sum"]["latest"]["step"] == 5
@@ -78,3 +80,20 @@ def test_eval_summary_downsamples_history_but_not_latest() -> None:
     assert len(qa["history"]) <= 5
     assert qa["history"][-1]["step"] == 99
     assert qa["latest"]["step"] == 99
+
+
+def test_eval_summary_keeps_two_sets_of_one_task_apart_by_name() -> None:
+    points = [
+        point("qa_reasoning", 0, 3.0, name="qa-mixture"),
+        point("qa_reasoning", 0, 5.0, name="qa-rag"),
+        point("qa_reasoning", 4, 2.0, name="qa-mixture"),
+        point("qa_reasoning", 4, 4.0, name="qa-rag"),
+    ]
+    sets = summarize_evals(points)
+    assert sorted(sets) == ["qa-mixture", "qa-rag"]
+    assert {name: s["task"] for name, s in sets.items()} == {
+        "qa-mixture": "qa_reasoning",
+        "qa-rag": "qa_reasoning",
+    }
+    assert [p["cross_entropy"] for p in sets["qa-mixture"]["history"]] == [3.0, 2.0]
+    assert [p["cross_entropy"] for p in sets["qa-rag"]["history"]] == [5.0, 4.0]
