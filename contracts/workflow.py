@@ -37,6 +37,10 @@ Objective = Literal[
 ]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 SUPERVISED_OBJECTIVES: tuple[str, ...] = tuple(o for o in OBJECTIVES if o != "continued_pretrain")
+# "train": the phase trains on its data (a pretraining stage, or a supervised phase).
+# "replay": a continued_pretrain phase that returns to earlier pretraining data after
+# post-training has begun, so that the model keeps what it learned; all of it counts as replay.
+Role = Literal["train", "replay"]
 
 # The version of the rules that turn records into token ids and loss masks (worker/encode.py,
 # docs/data.md). Part of every run's signature: a run never resumes under other encoding rules.
@@ -154,6 +158,9 @@ class Phase(_Strict):
     lr_scale: float = Field(1.0, gt=0)
     # When set, the phase does not start unless inspecting its data meets these limits.
     inspection: InspectionGate | None = None
+    # "replay" only for a continued_pretrain phase (see Role). Left out of the normalised form
+    # (and so of the signature) at its default: workflows written before it keep theirs.
+    role: Role = Field("train", exclude_if=lambda value: value == "train")
     # "reset": fresh Muon and AdamW state at the phase's first step; "carry": both optimizers'
     # state (momentum, moments, AdamW's step count) goes on from the previous phase's final
     # checkpoint, matched by parameter name. The learning-rate schedule and its warm-up are
@@ -411,6 +418,19 @@ def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
                 seen[name] = i
         seq, mbs = raw.get("sequence_length"), raw.get("microbatch_size")
         problems += _geometry_problems(f"phases[{i}]", seq, mbs, envelope, max_positions)
+        objective = raw.get("objective")
+        if raw.get("role") == "replay" and objective in SUPERVISED_OBJECTIVES:
+            add(
+                Problem(
+                    path=f"phases[{i}].role",
+                    message=(
+                        f'"replay" is for a continued_pretrain phase that returns to earlier '
+                        f"pretraining data, and this phase's objective is {objective}; to "
+                        "replay inside it, add a data source with "
+                        '"objective": "continued_pretrain"'
+                    ),
+                )
+            )
         if i == 0 and raw.get("optimizer_state") == "carry":
             add(
                 Problem(
@@ -522,23 +542,77 @@ class SourcePlan(BaseModel):
 class PhasePlan(BaseModel):
     name: str
     objective: Objective
+    # Plans stored before phases had roles (runs.plan) read as "train", which they were.
+    role: Role = "train"
     steps: int
     first_step: int
     last_step: int
     tokens_per_step: int
     compute_tokens: int
     token_share: float
-    # Share of this phase's tokens from pretraining text replayed in a supervised phase.
+    # Share of this phase's tokens that is replay: its continued_pretrain sources when it is
+    # post-training (a supervised or a replay phase), so 1.0 for a replay phase; 0.0 for a
+    # pretraining stage.
     replay_token_share: float
     sources: list[SourcePlan]
 
+    @property
+    def post_training(self) -> bool:
+        """Supervised phases and replay phases; not a pretraining stage."""
+        return self.objective != "continued_pretrain" or self.role == "replay"
+
+    @property
+    def replay_tokens(self) -> int:
+        if not self.post_training:
+            return 0
+        return sum(s.compute_tokens for s in self.sources if s.objective == "continued_pretrain")
+
 
 class Plan(BaseModel):
+    """Totals of a run. Replay is continued_pretrain text trained in a post-training phase:
+    every token of a replay phase and every token of a continued_pretrain source of a
+    supervised phase (mixture replay) alike.
+
+    - `replay_token_share` = replay_tokens / compute_tokens: the share of ALL compute tokens.
+    - `post_training_tokens`: the compute tokens of the supervised phases plus the replay
+      phases, that is every phase but the pretraining stages (continued_pretrain phases of
+      role "train"), wherever they stand in the run.
+    - `post_training_replay_share` = replay_tokens / post_training_tokens.
+
+    For a workflow that is all post-training (the original PR's: five supervised phases and
+    four interleaved replay phases from a pretrained checkpoint, 842M compute tokens, "replay
+    17.1% of tokens") both shares are the same number, the PR's; with a pretraining stage in
+    the run the first is smaller."""
+
     total_steps: int
     compute_tokens: int
-    # Share of the supervised phases' tokens that is replayed pretraining text.
+    replay_tokens: int
+    post_training_tokens: int
     replay_token_share: float
+    post_training_replay_share: float
     phases: list[PhasePlan]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_stored_totals(cls, data: Any) -> Any:
+        # Plans stored on runs before replay phases existed carry neither count, and their
+        # replay_token_share is of supervised tokens: recompute the totals from their phases,
+        # which hold everything needed (all of their phases are role "train").
+        if isinstance(data, dict) and "post_training_tokens" not in data and "phases" in data:
+            phases = [PhasePlan.model_validate(p) for p in data["phases"]]
+            return {**data, **_totals(phases, int(data["compute_tokens"]))}
+        return data
+
+
+def _totals(phases: list[PhasePlan], compute_tokens: int) -> dict[str, Any]:
+    replay = sum(p.replay_tokens for p in phases)
+    post = sum(p.compute_tokens for p in phases if p.post_training)
+    return {
+        "replay_tokens": replay,
+        "post_training_tokens": post,
+        "replay_token_share": replay / compute_tokens if compute_tokens else 0.0,
+        "post_training_replay_share": replay / post if post else 0.0,
+    }
 
 
 def plan(workflow: Workflow) -> Plan:
@@ -547,7 +621,6 @@ def plan(workflow: Workflow) -> Plan:
     fraction of its phase's."""
     total_tokens = sum(p.steps * p.tokens_per_step for p in workflow.phases)
     phases = []
-    supervised_tokens = replayed_tokens = 0.0
     for phase, offset in zip(workflow.phases, workflow.phase_offsets(), strict=True):
         tokens = phase.steps * phase.tokens_per_step
         weights = sum(s.weight for s in phase.data)
@@ -560,14 +633,13 @@ def plan(workflow: Workflow) -> Plan:
             for s in phase.sources()
         ]
         replay = 0.0
-        if phase.objective != "continued_pretrain":
+        if phase.objective != "continued_pretrain" or phase.role == "replay":
             replay = sum(s.token_share for s in sources if s.objective == "continued_pretrain")
-            supervised_tokens += tokens
-            replayed_tokens += tokens * replay
         phases.append(
             PhasePlan(
                 name=phase.name,
                 objective=phase.objective,
+                role=phase.role,
                 steps=phase.steps,
                 first_step=offset + 1,
                 last_step=offset + phase.steps,
@@ -581,7 +653,7 @@ def plan(workflow: Workflow) -> Plan:
     return Plan(
         total_steps=sum(p.steps for p in workflow.phases),
         compute_tokens=total_tokens,
-        replay_token_share=replayed_tokens / supervised_tokens if supervised_tokens else 0.0,
+        **_totals(phases, total_tokens),
         phases=phases,
     )
 

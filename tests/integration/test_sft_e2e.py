@@ -57,7 +57,9 @@ def test_replay_and_rag_records_train_and_report_per_source(
     qa_plan = planned["phases"][1]
     assert [s["name"] for s in qa_plan["sources"]] == ["qa_rag", "replay"]
     assert qa_plan["replay_token_share"] == pytest.approx(0.25)
-    assert planned["replay_token_share"] == pytest.approx(0.25)
+    # A quarter of the 16 supervised steps' tokens, after 8 steps of pretraining.
+    assert planned["post_training_replay_share"] == pytest.approx(0.25)
+    assert planned["replay_token_share"] == pytest.approx(4 / 24)
 
     # Steps 9-16 (QA) and 17-24 (instruction): per-source loss in the steps holding a
     # microbatch of the source, and the realised share of replay after each phase.

@@ -146,8 +146,53 @@ def test_validate_prints_the_plan_with_sources_and_replay_share(tmp_path: Path) 
     phase = plan["phases"][1]
     assert [s["name"] for s in phase["sources"]] == ["summarization", "replay"]
     assert phase["replay_token_share"] == pytest.approx(0.25)
-    assert plan["replay_token_share"] == pytest.approx(0.25 * 25 / 100)
+    # A quarter of the 25 steps of one of the four 25-step supervised phases, after 75 steps
+    # of pretraining: 1/28 of all tokens, 1/16 of the post-training ones.
+    assert plan["replay_token_share"] == pytest.approx(0.25 * 25 / 175)
+    assert plan["post_training_replay_share"] == pytest.approx(0.25 * 25 / 100)
     assert "replay" in table.stdout and "128x4" in table.stdout and "25.0%" in table.stdout
+
+
+def test_validate_prints_replay_phases_and_both_replay_shares_within_80_columns(
+    tmp_path: Path,
+) -> None:
+    from runtime.path import resolve_paths
+
+    workflows = ROOT / "examples" / "workflows"
+    doc = resolve_paths(json.loads((workflows / "demo.json").read_text()), workflows)
+    pretrain, *supervised = doc["phases"]
+    # Each supervised phase followed by a 10-step replay of the pretraining text at 256x2.
+    replay = {**pretrain, "role": "replay", "steps": 10, "schedule": {"warmup_steps": 0}}
+    replay.update(sequence_length=256, microbatch_size=2)
+    doc["phases"] = [pretrain]
+    for i, phase in enumerate(supervised):
+        doc["phases"] += [phase, {**replay, "name": f"replay_{i}"}]
+    path = tmp_path / "workflow.json"
+    path.write_text(json.dumps(doc))
+    result = runner.invoke(app, ["workflow", "validate", str(path), "--json"])
+    table = runner.invoke(app, ["workflow", "validate", str(path)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and table.exit_code == 0, result.output + table.output
+
+    # By hand, in 512-token steps: 75 pretraining, 4 x 25 supervised, 4 x 10 replay.
+    plan = json.loads(result.stdout)
+    assert [p["role"] for p in plan["phases"]] == ["train"] + ["train", "replay"] * 4
+    assert (plan["compute_tokens"], plan["replay_tokens"]) == (215 * 512, 40 * 512)
+    assert plan["post_training_tokens"] == 140 * 512
+    assert plan["replay_token_share"] == pytest.approx(40 / 215)
+    assert plan["post_training_replay_share"] == pytest.approx(40 / 140)
+    lines = table.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    replay_rows = [line for line in lines if "(replay)" in line]
+    assert len(replay_rows) == 4 and all("256x2" in r and "100.0%" in r for r in replay_rows)
+    assert "replay 20,480 tokens: 18.6% of all tokens, 28.6% of 71,680 post-training" in (
+        " ".join(lines)
+    )
+
+    doc["phases"][1]["role"] = "replay"  # a supervised phase
+    path.write_text(json.dumps(doc))
+    refused = runner.invoke(app, ["workflow", "validate", str(path)])
+    assert refused.exit_code == 2
+    assert 'phases[1].role: "replay" is for a continued_pretrain phase' in refused.stderr
 
 
 def test_validate_checks_the_files_relative_to_the_workflow_file(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def test_sft_example_replays_pretraining_text_in_every_supervised_phase() -> Non
     pretrain = workflow.phases[0]
     assert pretrain.objective == "continued_pretrain"
     the_plan = plan(workflow)
-    assert 0.2 <= the_plan.replay_token_share <= 0.3
+    assert 0.2 <= the_plan.post_training_replay_share <= 0.3
     assert the_plan.total_steps <= 300  # minutes on 2 CPU cores
     supervised = [p for p in workflow.phases if p.objective != "continued_pretrain"]
     assert {p.objective for p in supervised} == set(OBJECTIVES) - {"continued_pretrain"}

@@ -166,3 +166,19 @@ def test_eval_sets_sign_by_name_and_the_default_name_signs_as_before() -> None:
         compute_signature(workflow=other, digests=DIGESTS).components,
     )
     assert [(d.field, d.stored, d.given) for d in renamed] == [("evals[0].name", None, "qa-rag")]
+
+
+def test_a_replay_role_is_signed_and_the_default_role_is_not() -> None:
+    def with_role(role: str | None) -> Workflow:
+        pre = {**DOC["phases"][0], **({} if role is None else {"role": role})}
+        return Workflow.model_validate({**DOC, "phases": [pre, DOC["phases"][1]]})
+
+    base = compute_signature(workflow=with_role(None), digests=DIGESTS)
+    train = compute_signature(workflow=with_role("train"), digests=DIGESTS)
+    replay = compute_signature(workflow=with_role("replay"), digests=DIGESTS)
+    # Workflows written before roles keep their signature (FROZEN above).
+    assert train.sha256 == base.sha256 == FROZEN
+    assert replay.sha256 != base.sha256
+    [diff] = diff_components(base.components, replay.components)
+    assert (diff.field, diff.stored, diff.given) == ("phases[0].role", None, "replay")
+    assert Workflow.model_validate(replay.components["workflow"]).phases[0].role == "replay"

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from contracts.workflow import (
+    Plan,
     WorkflowInvalid,
     json_path,
     path_fields,
@@ -331,8 +332,10 @@ def test_plan_reports_each_source_token_share_and_the_replay_token_share(tmp_pat
         0.0,
     )
     assert [s.token_share for s in pre.sources] == [1.0]
-    # Of the 960 supervised-phase tokens, 160 are replayed pretraining text.
-    assert result.replay_token_share == pytest.approx(160 / 960)
+    # 160 of the 1,600 tokens are replayed pretraining text: 160 of the 960 post-training ones.
+    assert (result.replay_tokens, result.post_training_tokens) == (160, 960)
+    assert result.replay_token_share == pytest.approx(160 / 1600)
+    assert result.post_training_replay_share == pytest.approx(160 / 960)
 
 
 def test_plan_without_supervised_phases_has_no_replay(tmp_path: Path) -> None:
@@ -396,3 +399,134 @@ def test_an_eval_set_name_is_bounded_like_its_column(tmp_path: Path) -> None:
     assert "NUL" in problems_of(doc)["evals[0].name"]
     doc["evals"][0]["name"] = ""
     assert "evals[0].name" in problems_of(doc)
+
+
+# --- replay phases --------------------------------------------------------------------------
+
+
+def original_pr_workflow() -> dict[str, Any]:
+    """The post-training workflow of the original PR in shape: five supervised phases at 2048
+    positions, four interleaved continued_pretrain replay phases each at its pretraining
+    stage's geometry, every microbatch 16,384 tokens, started from a pretrained model."""
+
+    def phase(name: str, objective: str, steps: int, seq: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "name": name,
+            "objective": objective,
+            "data": [{"path": f"/data/{name}.jsonl"}],
+            "sequence_length": seq,
+            "microbatch_size": 16384 // seq,
+            "steps": steps,
+            **extra,
+        }
+
+    def sft(name: str, objective: str, steps: int) -> dict[str, Any]:
+        return phase(name, objective, steps, 2048, grad_accum=5)
+
+    def replay(stage: int, seq: int) -> dict[str, Any]:
+        return phase(
+            f"replay_{stage}", "continued_pretrain", 220, seq, grad_accum=10, role="replay"
+        )
+
+    return {
+        "name": "sft-original",
+        "model": {"pretrained": "/models/step-249000"},
+        "tokenizer": "/models/tokenizer.json",
+        "microbatch_tokens": 16384,
+        "phases": [
+            sft("summarization", "summarization", 2000),
+            replay(1, 512),
+            sft("instruction", "instruction_tuning", 2400),
+            replay(2, 1024),
+            sft("qa_mixture", "qa_reasoning", 1800),
+            replay(3, 2048),
+            sft("qa_rag", "qa_reasoning", 1520),
+            replay(4, 4096),
+            sft("planning", "retrieval_planning", 800),
+        ],
+    }
+
+
+def test_the_plan_of_the_original_pr_workflow_counts_its_replay_phases_as_replay() -> None:
+    result = plan(validate_workflow(original_pr_workflow()))
+
+    # By hand: a supervised step is 5 microbatches of 16,384 tokens = 81,920 tokens; a replay
+    # step 10 microbatches = 163,840 tokens, whatever the replay phase's geometry.
+    summarization = 2000 * 81_920  # 163,840,000
+    instruction = 2400 * 81_920  # 196,608,000
+    qa_mixture = 1800 * 81_920  # 147,456,000
+    qa_rag = 1520 * 81_920  # 124,518,400
+    planning = 800 * 81_920  # 65,536,000
+    replay = 220 * 163_840  # 36,044,800, each of four
+    assert [p.compute_tokens for p in result.phases] == [
+        summarization, replay, instruction, replay, qa_mixture, replay, qa_rag, replay, planning,
+    ]  # fmt: skip
+    assert [p.role for p in result.phases] == ["train", "replay"] * 4 + ["train"]
+    assert [p.replay_token_share for p in result.phases] == [0.0, 1.0] * 4 + [0.0]
+    assert [s.sequence_length for p in result.phases[1::2] for s in p.sources] == [
+        512, 1024, 2048, 4096,
+    ]  # fmt: skip
+
+    # The PR's figures: 9,400 steps, 842M compute tokens, replay 17.1% of them.
+    total = summarization + instruction + qa_mixture + qa_rag + planning + 4 * replay
+    assert (result.total_steps, result.compute_tokens, total) == (9400, 842_137_600, 842_137_600)
+    assert result.replay_tokens == 4 * replay == 144_179_200
+    assert result.replay_token_share == pytest.approx(144_179_200 / 842_137_600)
+    assert f"{result.replay_token_share:.1%}" == "17.1%"
+    # Every phase is post-training (no pretraining stage in the run): the two shares agree.
+    assert result.post_training_tokens == total
+    assert result.post_training_replay_share == result.replay_token_share
+
+
+def test_replay_phases_and_replay_sources_count_alike_against_all_and_post_training_tokens(
+    tmp_path: Path,
+) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["data"][1] = replay_source(tmp_path)  # 160 of the sft phase's 640
+    doc["phases"].append({**doc["phases"][0], "name": "replay", "role": "replay"})  # 640
+    result = plan(validate_workflow(doc))
+    pre, sft, replay = result.phases
+    assert [p.compute_tokens for p in result.phases] == [640, 640, 640]
+    assert (pre.replay_token_share, sft.replay_token_share, replay.replay_token_share) == (
+        0.0,
+        0.25,
+        1.0,
+    )
+    # 160 + 640 tokens of replay; the pretraining stage is not post-training.
+    assert (result.replay_tokens, result.post_training_tokens) == (800, 1280)
+    assert result.replay_token_share == pytest.approx(800 / 1920)
+    assert result.post_training_replay_share == pytest.approx(800 / 1280)
+
+
+def test_role_replay_is_refused_on_a_supervised_phase_at_its_path(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["role"] = "replay"
+    found = problems_of(doc)
+    assert list(found) == ["phases[1].role"]
+    assert "for a continued_pretrain phase" in found["phases[1].role"]
+    assert "objective is summarization" in found["phases[1].role"]
+
+    doc["phases"][1]["role"] = "train"
+    doc["phases"][0]["role"] = "warmup"
+    found = problems_of(doc)
+    assert list(found) == ["phases[0].role"]
+    assert "'train' or 'replay'" in found["phases[0].role"]
+
+    doc["phases"][0]["role"] = "replay"
+    assert [p.role for p in validate_workflow(doc).phases] == ["replay", "train"]
+
+
+def test_a_plan_stored_before_replay_phases_reads_with_its_totals_recomputed(
+    tmp_path: Path,
+) -> None:
+    doc = make_workflow(tmp_path)
+    doc["phases"][1]["data"][1] = replay_source(tmp_path)
+    current = plan(validate_workflow(doc))
+    # What runs.plan held before: no roles, no counts, replay as a share of supervised tokens.
+    stored = current.model_dump(
+        mode="json", exclude={"replay_tokens", "post_training_tokens", "post_training_replay_share"}
+    )
+    stored["replay_token_share"] = 160 / 640
+    for phase in stored["phases"]:
+        del phase["role"]
+    assert Plan.model_validate(stored) == current
