@@ -37,7 +37,12 @@ def shipped_bytes(path: Path) -> bytes:
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.name for p in WORKFLOWS])
 def test_every_example_workflow_validates(path: Path) -> None:
     workflow = load(path)
-    assert {e.task for e in workflow.evals} == set(OBJECTIVES)
+    tasks = {e.task for e in workflow.evals}
+    if path.name == "sft.original.json":
+        # The PR's baseline: its five sets, every supervised task, no pretraining set.
+        assert tasks == set(OBJECTIVES) - {"continued_pretrain"}
+    else:
+        assert tasks == set(OBJECTIVES)
 
 
 def test_make_examples_regenerates_the_shipped_files_exactly(tmp_path: Path) -> None:
@@ -123,3 +128,75 @@ def test_chat_corpus_fits_the_instruction_phase_whole() -> None:
     )
     assert report.formats == {"chat": report.records}
     assert report.fit == report.records
+
+
+ORIGINAL = EXAMPLES / "workflows" / "sft.original.json"
+ORIGINAL_SMALL = EXAMPLES / "workflows" / "sft.original.small.json"
+ORIGINAL_SETS = ["summarization", "instruction", "qa-mixture", "qa-rag", "planning"]
+
+
+def assert_original_shape(workflow: Workflow) -> None:
+    """Five supervised phases, each but the last followed by a replay phase of pretraining text;
+    every phase after the first carries the optimizers' state across its boundary."""
+    assert [p.objective for p in workflow.phases] == [
+        "summarization", "continued_pretrain", "instruction_tuning", "continued_pretrain",
+        "qa_reasoning", "continued_pretrain", "qa_reasoning", "continued_pretrain",
+        "retrieval_planning",
+    ]  # fmt: skip
+    assert [p.role for p in workflow.phases] == ["train", "replay"] * 4 + ["train"]
+    assert [p.optimizer_state for p in workflow.phases] == ["reset"] + ["carry"] * 8
+    assert all(p.microbatch_tokens == workflow.microbatch_tokens for p in workflow.phases)
+    named = {e.name: e.task for e in workflow.evals}
+    assert [name for name in named if name in ORIGINAL_SETS] == ORIGINAL_SETS
+    assert named["qa-mixture"] == named["qa-rag"] == "qa_reasoning"
+    assert len({e.data for e in workflow.evals}) == len(workflow.evals)
+
+
+def test_sft_original_is_the_pr_workflow_at_its_own_geometry() -> None:
+    workflow = load(ORIGINAL)
+    assert_original_shape(workflow)
+    assert [e.name for e in workflow.evals] == ORIGINAL_SETS
+    assert workflow.microbatch_tokens == 16_384
+    supervised, replay = workflow.phases[0::2], workflow.phases[1::2]
+    assert {(p.sequence_length, p.microbatch_size, p.grad_accum) for p in supervised} == {
+        (2048, 8, 5)
+    }
+    # Each replay phase at its pretraining stage's geometry.
+    assert [(p.sequence_length, p.microbatch_size) for p in replay] == [
+        (512, 32), (1024, 16), (2048, 8), (4096, 4),
+    ]  # fmt: skip
+    assert {s.path.endswith("pretrain.replay.txt.zst") for p in replay for s in p.sources()} == {
+        True
+    }
+
+    # The PR's figures, as docs/data.md shows them.
+    the_plan = plan(workflow)
+    assert [p.steps for p in workflow.phases] == [2000, 220, 2400, 220, 1800, 220, 1520, 220, 800]
+    assert (the_plan.total_steps, the_plan.compute_tokens) == (9400, 842_137_600)
+    assert the_plan.replay_tokens == 4 * 220 * 10 * 16_384 == 144_179_200
+    assert the_plan.replay_token_share == pytest.approx(144_179_200 / 842_137_600)
+    assert f"{the_plan.replay_token_share:.1%}" == "17.1%"
+    assert the_plan.post_training_tokens == the_plan.compute_tokens
+    assert the_plan.post_training_replay_share == the_plan.replay_token_share
+
+
+def test_sft_original_small_is_its_twin_from_the_demo_checkpoint() -> None:
+    workflow, original = load(ORIGINAL_SMALL), load(ORIGINAL)
+    assert_original_shape(workflow)
+    # Plus the held-out pretraining set that measures forgetting.
+    assert {e.name: e.task for e in workflow.evals}["pretrain"] == "continued_pretrain"
+    demo = load(EXAMPLES / "workflows" / "demo.json")
+    # Starts from a checkpoint of the demo run: the same model, tokenizer and envelope.
+    assert workflow.model == demo.model
+    assert workflow.tokenizer == demo.tokenizer
+    assert workflow.microbatch_tokens == demo.microbatch_tokens
+    replay = workflow.phases[1::2]
+    assert [p.sequence_length for p in replay] == sorted(p.sequence_length for p in replay)
+    assert (replay[-1].sequence_length, replay[-1].microbatch_size) == (
+        demo.phases[0].sequence_length,
+        demo.phases[0].microbatch_size,
+    )
+    the_plan = plan(workflow)
+    assert the_plan.total_steps <= 300  # well under two minutes on 2 CPU cores
+    # The same replay share as the original, to the digit the PR gave.
+    assert f"{the_plan.replay_token_share:.1%}" == f"{plan(original).replay_token_share:.1%}"
