@@ -145,6 +145,40 @@ def evaluate_checkpoint(
     """Evaluate a `save_pretrained` directory (a run's checkpoint, or any local model) outside
     a run. Its step and phase come from a trainctl checkpoint's state.json when there is one
     (0 and "" otherwise)."""
+    loaded = _load_checkpoint(request, device=device)
+    return _evaluate_request(loaded, request)
+
+
+def evaluate_checkpoint_sets(
+    requests: list[EvaluateRequest], *, device: torch.device | None = None
+) -> list[EvalResult]:
+    """`evaluate_checkpoint` for several eval sets of one checkpoint and tokenizer (a
+    workflow's, each at its own geometry), loading the model once. An error names the set."""
+    if not requests:
+        return []
+    first = requests[0]
+    for request in requests:
+        if (request.checkpoint, request.tokenizer) != (first.checkpoint, first.tokenizer):
+            raise ConfigError("every eval set must name the same checkpoint and tokenizer")
+    loaded = _load_checkpoint(first, device=device)
+    results = []
+    for request in requests:
+        try:
+            results.append(_evaluate_request(loaded, request))
+        except DataError as err:
+            raise DataError(f"eval set {request.name or request.task!r}: {err}") from err
+    return results
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    model: PreTrainedModel
+    tokenizer: Tokenizer
+    step: int
+    phase: str
+
+
+def _load_checkpoint(request: EvaluateRequest, *, device: torch.device | None) -> _Loaded:
     from transformers import AutoModelForCausalLM
 
     directory = Path(request.checkpoint)
@@ -166,6 +200,16 @@ def evaluate_checkpoint(
             step, phase = int(saved.get("step", 0)), str(saved.get("phase_name", ""))
         except (ValueError, AttributeError) as err:  # not JSON, not an object, not a number
             raise ConfigError(f"checkpoint {state} is not a trainctl state file: {err}") from err
+    return _Loaded(model, tokenizer, step, phase)
+
+
+def _evaluate_request(loaded: _Loaded, request: EvaluateRequest) -> EvalResult:
     spec = EvalSpec(name=request.name or request.task, task=request.task, data=request.data)
-    data = load_eval_data(tokenizer, spec, sequence_length=request.sequence_length)
-    return evaluate_task(model, data, batch_size=request.batch_size, step=step, phase=phase)
+    data = load_eval_data(loaded.tokenizer, spec, sequence_length=request.sequence_length)
+    return evaluate_task(
+        loaded.model,
+        data,
+        batch_size=request.batch_size,
+        step=loaded.step,
+        phase=loaded.phase,
+    )

@@ -58,6 +58,58 @@ def test_cli_creates_pauses_resumes_and_cancels_and_names_a_signature_mismatch(
         assert missing.returncode == EXIT_API and "run_doesnotexist" in missing.stderr
 
 
+def test_cli_evaluates_every_eval_set_of_a_workflow_remotely_as_locally(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    doc = workflow("summarization", steps=6)
+    summaries = tmp_path / "summaries.jsonl"  # the second record fits 128 tokens, not 64
+    records = [
+        {"source": "summarize: " + "the map was blue. " * n, "target": " blue."} for n in (3, 12)
+    ]
+    summaries.write_text("".join(json.dumps(r) + "\n" for r in records))
+    doc["evals"] = [  # two sets of one task, each at its own geometry
+        {
+            "name": "short",
+            "task": "summarization",
+            "data": "summaries.jsonl",
+            "sequence_length": 64,
+        },
+        {
+            "name": "long",
+            "task": "summarization",
+            "data": "summaries.jsonl",
+            "sequence_length": 128,
+        },
+    ]
+    (tmp_path / "wf.json").write_text(json.dumps(doc))
+    model = make_initial_checkpoint(tmp_path / "model", doc["model"]["config"])
+    args = ["eval", str(model), "--workflow", str(tmp_path / "wf.json")]
+
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs)
+        env = {**stack.env, "TRAINCTL_API_URL": stack.url, "TRAINCTL_TOKEN": stack.admin}
+        stack.worker()
+        remote = json.loads(run_cli([*args, "--remote", "--json"], env=env))
+        table = run_cli([*args, "--remote"], env={**env, "COLUMNS": "200"})
+
+    local = json.loads(run_cli([*args, "--json"], env=env))
+    assert [(r["name"], r["task"]) for r in remote] == [
+        ("short", "summarization"),
+        ("long", "summarization"),
+    ]
+    assert [(r["records"], r["oversized_records"]) for r in remote] == [(1, 1), (2, 0)]
+    for far, near in zip(remote, local, strict=True):
+        assert (far["records"], far["oversized_records"]) == (
+            near["records"],
+            near["oversized_records"],
+        )
+        assert far["cross_entropy"] == pytest.approx(near["cross_entropy"], rel=1e-5)
+    rows = [line.split() for line in table.splitlines()[2:]]
+    assert [row[:4] for row in rows] == [
+        [r["name"], r["task"], f"{r['records']:,}", f"{r['oversized_records']:,}"] for r in remote
+    ]
+
+
 def _processes_of_home(home: Path) -> list[int]:
     """Pids of live processes whose environment names TRAINCTL_HOME=home."""
     needle = f"TRAINCTL_HOME={home}".encode() + b"\0"

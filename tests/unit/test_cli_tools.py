@@ -77,7 +77,8 @@ def test_inspect_names_the_bad_line(tmp_path: Path) -> None:
     assert f"{path}:2: not valid JSON" in " ".join(result.stderr.split())
 
 
-def test_eval_of_a_checkpoint_outside_a_run(tmp_path: Path) -> None:
+def tiny_model(directory: Path) -> Path:
+    """An untrained save_pretrained Llama with the example tokenizer beside it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -88,11 +89,15 @@ def test_eval_of_a_checkpoint_outside_a_run(tmp_path: Path) -> None:
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=256,
     )
-    model_dir = tmp_path / "model"
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    shutil.copy(TOKENIZER, model_dir / "tokenizer.json")
+    LlamaForCausalLM(config).save_pretrained(directory)
+    shutil.copy(TOKENIZER, directory / "tokenizer.json")
+    return directory
+
+
+def test_eval_of_a_checkpoint_outside_a_run(tmp_path: Path) -> None:
+    model_dir = tiny_model(tmp_path / "model")
     data = write_jsonl(tmp_path / "qa.jsonl", [SHORT, LONG, {"source": "a dog", "target": " ran"}])
     args = ["eval", str(model_dir), "--task", "qa_reasoning", "--data", str(data)]
 
@@ -119,6 +124,60 @@ def test_eval_of_a_checkpoint_outside_a_run(tmp_path: Path) -> None:
         ],
     )
     assert missing.exit_code == 2 and "no config.json" in missing.stderr
+
+
+def test_eval_of_every_set_of_a_workflow_prints_one_row_per_set(tmp_path: Path) -> None:
+    model_dir = tiny_model(tmp_path / "model")
+    dog = {"source": "a dog", "target": " ran"}
+    short = write_jsonl(tmp_path / "qa.jsonl", [SHORT, LONG, dog])
+    middle = {"source": "the cat sat under the dog " * 4, "target": " flew"}  # fits 128, not 32
+    write_jsonl(tmp_path / "rag.jsonl", [SHORT, middle, LONG])
+    doc = json.loads((ROOT / "examples" / "workflows" / "demo.json").read_text())
+    doc["tokenizer"] = str(TOKENIZER)
+    doc["evals"] = [  # two sets of one task, each at its own geometry
+        {"name": "qa_short", "task": "qa_reasoning", "data": str(short), "sequence_length": 32},
+        {"task": "qa_reasoning", "data": "rag.jsonl", "batch_size": 1},  # at the longest, 128
+    ]
+    workflow = tmp_path / "workflow.json"
+    workflow.write_text(json.dumps(doc))
+    args = ["eval", str(model_dir), "--workflow", str(workflow)]
+
+    answer = runner.invoke(app, [*args, "--json"])
+    assert answer.exit_code == 0, answer.output
+    results = json.loads(answer.stdout)
+    rows = [(r["name"], r["task"], r["records"], r["oversized_records"]) for r in results]
+    assert rows == [("qa_short", "qa_reasoning", 2, 1), ("qa_reasoning", "qa_reasoning", 2, 1)]
+    # The set's number is the one `eval --data` gives at the same geometry.
+    single = ["eval", str(model_dir), "--task", "qa_reasoning", "--data", str(short)]
+    alone = runner.invoke(app, [*single, "--sequence-length", "32", "--json"])
+    assert json.loads(alone.stdout)["cross_entropy"] == pytest.approx(results[0]["cross_entropy"])
+
+    table = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert lines[0] == f"{model_dir} (step 0):"
+    assert lines[1].split() == [
+        "set",
+        "task",
+        "records",
+        "oversized",
+        "cross-entropy",
+        "perplexity",
+    ]
+    for line, r in zip(lines[2:], results, strict=True):
+        expected = [r["name"], r["task"], str(r["records"]), str(r["oversized_records"])]
+        assert line.split() == [*expected, f"{r['cross_entropy']:.4f}", f"{r['perplexity']:.2f}"]
+
+    (tmp_path / "rag.jsonl").unlink()
+    gone = runner.invoke(app, args)
+    assert gone.exit_code == 2
+    assert f"eval set 'qa_reasoning': {tmp_path / 'rag.jsonl'}: file not found" in " ".join(
+        gone.stderr.split()
+    )
+    both = runner.invoke(app, [*args, "--task", "qa_reasoning"])
+    assert both.exit_code == 2 and "leave out --task" in both.stderr
+    neither = runner.invoke(app, ["eval", str(model_dir)])
+    assert neither.exit_code == 2 and "--workflow" in neither.stderr
 
 
 def test_validate_prints_the_plan_with_sources_and_replay_share(tmp_path: Path) -> None:
