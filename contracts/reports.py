@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from contracts.bounds import MAX_COUNT, MAX_HOSTNAME, MAX_NAME, MAX_TASK, NO_NUL, NUL_REPLACED
 from contracts.signature import Digests
+from contracts.workflow import name_defaults_to_task
 
 # Steps and counts are stored in 32-bit columns.
 Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
@@ -118,9 +119,7 @@ class EvalResult(BaseModel):
     @classmethod
     def _name_defaults_to_task(cls, data: Any) -> Any:
         # A report spooled by a worker from before eval sets had names.
-        if isinstance(data, dict) and data.get("name") is None and "task" in data:
-            return {**data, "name": data["task"]}
-        return data
+        return name_defaults_to_task(data)
 
 
 class EvalBatch(BaseModel):

@@ -53,6 +53,14 @@ PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT)]
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL]
 
 
+def name_defaults_to_task(data: Any) -> Any:
+    """An eval set's (or an eval result's) `name`, when not given, is its `task`: the one
+    rule, for the workflow's eval entries and for the results workers report."""
+    if isinstance(data, dict) and data.get("name") is None and "task" in data:
+        return {**data, "name": data["task"]}
+    return data
+
+
 class _Strict(BaseModel):
     # Python's JSON parser accepts Infinity and NaN; a learning rate of either only fails later,
     # on a GPU, so they are refused here.
@@ -101,9 +109,7 @@ class EvalSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _name_defaults_to_task(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("name") is None and "task" in data:
-            return {**data, "name": data["task"]}
-        return data
+        return name_defaults_to_task(data)
 
 
 class DataSource(_Strict):
