@@ -281,3 +281,14 @@ class RecordingReporter:
 @pytest.fixture
 def make_reporter() -> type[RecordingReporter]:
     return RecordingReporter
+
+
+@pytest.fixture
+def claim(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_text_file: Callable[..., Path],
+) -> Claim:
+    """The claim of a one-phase pretraining run of 9 steps: what the reporter tests report on."""
+    phase = {"name": "p", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 9}
+    return make_claim(make_workflow([phase]))

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from contracts.reports import CheckpointRef, CheckpointRemoval, Claim, Finish
-from contracts.workflow import Workflow
 from worker.client import ServiceClient
 from worker.reporter import ServiceReporter, drain_spools
 from worker.spool import Spool
@@ -45,16 +43,6 @@ class Service:
             return httpx.Response(200, json={"accepted": 1, "pinned_steps": self.pinned})
         self.received.append(path.rsplit("/", 1)[-1])
         return httpx.Response(200, json={"accepted": 1})
-
-
-@pytest.fixture
-def claim(
-    make_workflow: Callable[..., Workflow],
-    make_claim: Callable[..., Claim],
-    make_text_file: Callable[..., Path],
-) -> Claim:
-    phase = {"name": "p", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 9}
-    return make_claim(make_workflow([phase]))
 
 
 def client_of(service: Service) -> ServiceClient:

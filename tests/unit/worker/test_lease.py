@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import httpx
 import pytest
 
 from contracts.reports import Claim
-from contracts.workflow import Workflow
 from worker.client import ServiceClient
 from worker.lease import LeaseKeeper
 from worker.reporter import ServiceReporter
@@ -182,13 +180,9 @@ def test_an_attempt_that_stops_when_told_keeps_its_process() -> None:
 
 
 def test_the_keeper_beats_three_times_a_lease_whatever_the_worker_setting(
-    make_workflow: Callable[..., Workflow],
-    make_claim: Callable[..., Claim],
-    make_text_file: Callable[..., Path],
-    tmp_path: Path,
+    claim: Claim, tmp_path: Path
 ) -> None:
-    phase = {"name": "p", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 2}
-    claim = make_claim(make_workflow([phase])).model_copy(update={"lease_seconds": 9.0})
+    claim = claim.model_copy(update={"lease_seconds": 9.0})
     client = ServiceClient("http://service", "t", transport=httpx.MockTransport(Service()))
     slow = ServiceReporter(client, claim, spool_dir=tmp_path, heartbeat_seconds=60)
     fast = ServiceReporter(client, claim, spool_dir=tmp_path, heartbeat_seconds=1)

@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from contracts.reports import CheckpointRef, Claim, Finish
-from contracts.workflow import Workflow
 from worker.client import ServiceClient, ServiceUnavailable, Superseded
 from worker.reporter import ServiceReporter, drain_spools
 from worker.spool import Spool
@@ -74,16 +73,6 @@ class Service:
             self.beats.append((body["step"], body["progress"]))
             return httpx.Response(200, json={"action": self.action, "lease_seconds": 30})
         return httpx.Response(200, json={"accepted": 1})
-
-
-@pytest.fixture
-def claim(
-    make_workflow: Callable[..., Workflow],
-    make_claim: Callable[..., Claim],
-    make_text_file: Callable[..., Path],
-) -> Claim:
-    phase = {"name": "p", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 9}
-    return make_claim(make_workflow([phase]))
 
 
 def client_of(service: Service) -> ServiceClient:

@@ -54,23 +54,10 @@ def ref(step: int) -> CheckpointRef:
     return CheckpointRef(path=f"/c/step-{step:08d}", step=step, phase_index=0, phase_step=step)
 
 
-def claim_of(
-    make_workflow: Callable[..., Workflow],
-    make_claim: Callable[..., Claim],
-    make_text_file: Callable[..., Path],
-) -> Claim:
-    phase = {"name": "p", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 9}
-    return make_claim(make_workflow([phase]))
-
-
 def test_a_report_refused_for_good_is_dropped_and_does_not_hold_back_the_rest(
-    make_workflow: Callable[..., Workflow],
-    make_claim: Callable[..., Claim],
-    make_text_file: Callable[..., Path],
-    tmp_path: Path,
+    claim: Claim, tmp_path: Path
 ) -> None:
     service = Service()
-    claim = claim_of(make_workflow, make_claim, make_text_file)
     reporter = reporter_for(service, claim, tmp_path)
     service.refuse = "evals"
     reporter.evals([])  # nothing to send
@@ -85,15 +72,11 @@ def test_a_report_refused_for_good_is_dropped_and_does_not_hold_back_the_rest(
 
 
 def test_while_the_keeper_cannot_reach_the_service_the_loop_makes_no_request(
-    make_workflow: Callable[..., Workflow],
-    make_claim: Callable[..., Claim],
-    make_text_file: Callable[..., Path],
-    tmp_path: Path,
+    claim: Claim, tmp_path: Path
 ) -> None:
     """Each request to a service that is down costs the client's retries (seconds): the loop
     spools at once and leaves the probing to the keeper's heartbeats."""
     service = Service()
-    claim = claim_of(make_workflow, make_claim, make_text_file)
     reporter = reporter_for(service, claim, tmp_path)
     service.down = True
     assert reporter.lease.beat() == "continue" and not reporter.lease.reachable
@@ -144,15 +127,11 @@ def test_a_refused_success_ends_the_attempt_as_an_infrastructure_failure(
 
 
 def test_the_first_report_that_finds_the_service_down_stops_the_loop_trying(
-    make_workflow: Callable[..., Workflow],
-    make_claim: Callable[..., Claim],
-    make_text_file: Callable[..., Path],
-    tmp_path: Path,
+    claim: Claim, tmp_path: Path
 ) -> None:
     """One retry cycle is paid once, by the report that finds the outage, not again by every
     flush until the keeper's own heartbeat fails too."""
     service = Service()
-    claim = claim_of(make_workflow, make_claim, make_text_file)
     reporter = reporter_for(service, claim, tmp_path)
     service.down = True
     reporter.metrics(1, {"loss": 1.0})
