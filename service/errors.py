@@ -78,7 +78,7 @@ class RefuseNul:
             elif b"%00" in scope.get("query_string", b"").lower():
                 where = "query"
             if where is not None:
-                await _answer(
+                await answer_json(
                     send,
                     422,
                     error_body(
@@ -92,7 +92,8 @@ class RefuseNul:
         await self.app(scope, receive, send)
 
 
-async def _answer(send: Send, status: int, body: dict[str, Any]) -> None:
+async def answer_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    """Answer from ASGI middleware, before any route: `body` as JSON with `status`."""
     content = json.dumps(body).encode()
     headers = [
         (b"content-type", b"application/json"),

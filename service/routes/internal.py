@@ -13,9 +13,6 @@ while the others are stored; `accepted` counts the stored ones.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from fastapi import APIRouter, BackgroundTasks, Depends
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,7 +31,7 @@ from contracts.reports import (
 )
 from service.checkpoint import pinned_steps, remove_checkpoint
 from service.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
-from service.errors import PayloadTooLarge, error_body
+from service.errors import PayloadTooLarge, answer_json, error_body
 from service.fleet import note_attempt_worker, note_worker
 from service.lease import claim_attempt, heartbeat
 from service.models import utcnow
@@ -65,7 +62,11 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await _answer_413(send, _too_large(int(declared), self.max_bytes))
+            await answer_json(
+                send,
+                413,
+                error_body(PayloadTooLarge.code, _too_large(int(declared), self.max_bytes)),
+            )
             return
         received = 0
 
@@ -78,16 +79,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
-
-
-async def _answer_413(send: Send, message: str) -> None:
-    body = json.dumps(error_body(PayloadTooLarge.code, message)).encode()
-    headers: list[Any] = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 router = APIRouter(
