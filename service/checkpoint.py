@@ -12,8 +12,8 @@ succeeded, and as long as it has no usable checkpoint of its own (a failed or ca
 may be resumed; a resume starts from the run's own latest checkpoint when it has one, and only
 otherwise from the initial checkpoint, which the worker then hashes again). The answer to each
 registration carries the run's pinned steps and worker retention keeps them; a report that a
-pinned checkpoint was deleted is refused (409 `checkpoint_pinned`), so the registry never says
-"deleted" of what a run still needs.
+pinned checkpoint was deleted is refused (409 `checkpoint_pinned`, service.report
+.remove_checkpoint), so the registry never says "deleted" of what a run still needs.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from typing import Final, Literal
 from sqlalchemy import select
 from sqlalchemy.orm import Session, aliased
 
-from contracts.reports import CheckpointRemoval
-from service.errors import ApiError
 from service.lifecycle import RunStatus
-from service.models import ApiToken, Checkpoint, Run, utcnow
+from service.models import Checkpoint, Run
 
 USABLE: Final = "usable"
 # What GET /runs/{id}/checkpoints lists: one status, or every checkpoint ever registered.
@@ -42,16 +40,6 @@ def list_checkpoints(
     if status != "all":
         query = query.where(Checkpoint.status == status)
     return list(session.scalars(query.order_by(Checkpoint.step)))
-
-
-def latest_checkpoint(*, session: Session, run_id: str) -> Checkpoint | None:
-    """The newest usable checkpoint, by global step: where any new attempt starts from."""
-    return session.scalars(
-        select(Checkpoint)
-        .where(Checkpoint.run_id == run_id, Checkpoint.status == USABLE)
-        .order_by(Checkpoint.step.desc())
-        .limit(1)
-    ).one_or_none()
 
 
 def usable_checkpoint(
@@ -86,59 +74,3 @@ def pins(*, session: Session, run_id: str) -> dict[int, list[str]]:
 def pinned_steps(*, session: Session, run_id: str) -> list[int]:
     """The steps of the run's checkpoints that retention must keep, ascending."""
     return sorted(pins(session=session, run_id=run_id))
-
-
-def remove_checkpoint(
-    *,
-    session: Session,
-    attempt_id: str,
-    removal: CheckpointRemoval,
-    token: ApiToken,
-    lease_seconds: float,
-) -> Checkpoint | None:
-    """Record that the worker of `attempt_id` deleted or quarantined its run's checkpoint at
-    `removal.step`. Fenced like every report (and renews the lease). A step the registry does
-    not hold (a dead attempt's leftover that was never registered) changes nothing: None. A
-    deletion of a pinned checkpoint is 409 `checkpoint_pinned` and changes nothing either; a
-    quarantine is always recorded (the files are unusable whoever needs them)."""
-    # service.lease imports this module (the claim resumes from `latest_checkpoint`).
-    from service.lease import fence
-
-    attempt = fence(
-        session=session,
-        attempt_id=attempt_id,
-        fencing_token=removal.fencing_token,
-        token=token,
-        lease_seconds=lease_seconds,
-    )
-    checkpoint = session.scalars(
-        select(Checkpoint)
-        .where(Checkpoint.run_id == attempt.run_id, Checkpoint.step == removal.step)
-        .with_for_update()
-    ).one_or_none()
-    if checkpoint is None:
-        session.commit()  # the lease renewal
-        return None
-    if removal.status == "deleted":
-        needed_by = pins(session=session, run_id=attempt.run_id).get(removal.step, [])
-        if needed_by:
-            session.rollback()
-            raise _pinned(checkpoint, needed_by)
-    checkpoint.status = removal.status
-    checkpoint.reason = removal.reason
-    checkpoint.removed_at = utcnow()
-    session.commit()
-    return checkpoint
-
-
-def _pinned(checkpoint: Checkpoint, needed_by: list[str]) -> ApiError:
-    runs = ", ".join(needed_by)
-    return ApiError(
-        409,
-        "checkpoint_pinned",
-        f"step {checkpoint.step}: the checkpoint {checkpoint.path} of run {checkpoint.run_id} "
-        f"is the initial checkpoint of run(s) {runs}, which may still start from it (not "
-        "succeeded, no checkpoint of their own yet); retention must keep it while they need "
-        "it (the answer to each checkpoint registration lists the pinned steps)",
-        {"run_id": checkpoint.run_id, "step": checkpoint.step, "pinned_by": needed_by},
-    )

@@ -1,6 +1,7 @@
 """Report ingestion: what a worker posts about its attempt (metric points, evaluations,
-checkpoint registrations) and how it ends (finish). Every report is fenced (service.lease):
-only the claimant, with the claim's secret, writes, and each accepted report renews the lease.
+checkpoint registrations and removals) and how it ends (finish). Every report is fenced
+(service.lease): only the claimant, with the claim's secret, writes, and each accepted report
+renews the lease.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT, MAX_NAME
 from contracts.reports import (
+    CheckpointRemoval,
     CheckpointReport,
     EvalBatch,
     Finish,
     MetricBatch,
 )
 from contracts.reports import MetricPoint as ReportedPoint
+from service.checkpoint import pins
 from service.db import insert_for
 from service.errors import ApiError
 from service.lease import fence
@@ -336,3 +339,56 @@ def finish_attempt(
     next_attempt = settle_attempt(session=session, run=run, attempt=attempt, now=now)
     session.commit()
     return next_attempt
+
+
+def remove_checkpoint(
+    *,
+    session: Session,
+    attempt_id: str,
+    removal: CheckpointRemoval,
+    token: ApiToken,
+    lease_seconds: float,
+) -> Checkpoint | None:
+    """Record that the worker of `attempt_id` deleted or quarantined its run's checkpoint at
+    `removal.step`. Fenced like every report (and renews the lease). A step the registry does
+    not hold (a dead attempt's leftover that was never registered) changes nothing: None. A
+    deletion of a pinned checkpoint is 409 `checkpoint_pinned` and changes nothing either; a
+    quarantine is always recorded (the files are unusable whoever needs them)."""
+    attempt = fence(
+        session=session,
+        attempt_id=attempt_id,
+        fencing_token=removal.fencing_token,
+        token=token,
+        lease_seconds=lease_seconds,
+    )
+    checkpoint = session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == attempt.run_id, Checkpoint.step == removal.step)
+        .with_for_update()
+    ).one_or_none()
+    if checkpoint is None:
+        session.commit()  # the lease renewal
+        return None
+    if removal.status == "deleted":
+        needed_by = pins(session=session, run_id=attempt.run_id).get(removal.step, [])
+        if needed_by:
+            session.rollback()
+            raise _pinned(checkpoint, needed_by)
+    checkpoint.status = removal.status
+    checkpoint.reason = removal.reason
+    checkpoint.removed_at = utcnow()
+    session.commit()
+    return checkpoint
+
+
+def _pinned(checkpoint: Checkpoint, needed_by: list[str]) -> ApiError:
+    runs = ", ".join(needed_by)
+    return ApiError(
+        409,
+        "checkpoint_pinned",
+        f"step {checkpoint.step}: the checkpoint {checkpoint.path} of run {checkpoint.run_id} "
+        f"is the initial checkpoint of run(s) {runs}, which may still start from it (not "
+        "succeeded, no checkpoint of their own yet); retention must keep it while they need "
+        "it (the answer to each checkpoint registration lists the pinned steps)",
+        {"run_id": checkpoint.run_id, "step": checkpoint.step, "pinned_by": needed_by},
+    )

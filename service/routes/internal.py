@@ -29,13 +29,19 @@ from contracts.reports import (
     HeartbeatAnswer,
     MetricBatch,
 )
-from service.checkpoint import pinned_steps, remove_checkpoint
+from service.checkpoint import pinned_steps
 from service.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
 from service.errors import PayloadTooLarge, answer_json, error_body
 from service.fleet import note_attempt_worker, note_worker
 from service.lease import claim_attempt, heartbeat
 from service.models import utcnow
-from service.report import finish_attempt, record_evals, record_metrics, register_checkpoint
+from service.report import (
+    finish_attempt,
+    record_evals,
+    record_metrics,
+    register_checkpoint,
+    remove_checkpoint,
+)
 from service.schemas import BatchAccepted, ItemErrorPublic
 
 PREFIX = "/internal/"
