@@ -43,7 +43,7 @@ def test_up_restarts_a_killed_worker_and_its_run_still_succeeds(tmp_path: Path) 
         with httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30
         ) as api:
-            run_id = api.post("/runs", json={"workflow": workflow("continued_pretrain", steps=24)})
+            run_id = api.post("/runs", json={"workflow": workflow("continued_pretrain", steps=120)})
             run_id = run_id.json()["id"]
             attempt = wait_until(
                 lambda: running_attempt(api, run_id, after_step=6),
@@ -60,6 +60,8 @@ def test_up_restarts_a_killed_worker_and_its_run_still_succeeds(tmp_path: Path) 
             assert worker["version"] == version("trainctl")
             assert (worker["run_id"], worker["attempt_id"]) == (run_id, attempt["id"])
 
+            # Long enough that the listing above (a CLI process) cannot outlast the run.
+            assert api.get(f"/runs/{run_id}").json()["status"] == "running"
             os.kill(victim, signal.SIGKILL)
             run = wait_for_run(api, run_id, timeout=300, procs=[up])
             assert run["status"] == "succeeded", run
