@@ -27,8 +27,9 @@ from tokenizers import Tokenizer, models
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from contracts.workflow import OptimizerSpec
-from worker.checkpoint import CheckpointState, CheckpointWriter, capture_rng
+from worker.checkpoint import CheckpointState, CheckpointWriter
 from worker.optim import build_optimizers
+from worker.rng import PrivateRandom
 
 MODEL = {
     "vocab_size": 512,
@@ -60,6 +61,7 @@ def main() -> None:
         optimizers.zero_grad()
     tokenizer = Tokenizer(models.WordLevel({"<|pad|>": 0, "<|endoftext|>": 1}, unk_token="<|pad|>"))
 
+    rng = PrivateRandom(0, torch.device("cpu"))
     blocked, durable, synchronous, dd = [], [], [], []
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as root:
         writer = CheckpointWriter(directory=Path(root) / "async", tokenizer=tokenizer)
@@ -76,7 +78,7 @@ def main() -> None:
                 groups=optimizers.group_names(),
             )
             started = time.perf_counter()
-            writer.start(model=model, optimizers=optimizers, state=state)
+            writer.start(model=model, optimizers=optimizers, state=state, rng=rng.state_dict())
             returned = time.perf_counter()
             saved = writer.wait()
             done = time.perf_counter()
@@ -88,7 +90,7 @@ def main() -> None:
             whole = {
                 "model": model.state_dict(),
                 "optimizer": optimizers.state_dict(),
-                "rng": capture_rng(),
+                "rng": rng.state_dict(),
             }
             torch.save(whole, target)
             _fsync(target)

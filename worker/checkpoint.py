@@ -17,7 +17,6 @@ import errno
 import json
 import logging
 import os
-import random
 import shutil
 import time
 import uuid
@@ -27,7 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -77,7 +75,7 @@ class LoadedCheckpoint:
     path: Path
     state: CheckpointState
     optimizer: dict[str, Any]
-    rng: dict[str, Any]
+    rng: dict[str, torch.Tensor]  # `PrivateRandom.state_dict()`
 
 
 def step_dir_name(step: int) -> str:
@@ -105,44 +103,6 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-# --- RNG ------------------------------------------------------------------------------------
-
-
-def capture_rng() -> dict[str, Any]:
-    """Every random stream the process may draw from, as tensors and plain values."""
-    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    version, internal, gauss_next = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-    }
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    numpy = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            numpy["keys"].numpy().astype(np.uint32),
-            numpy["pos"],
-            numpy["has_gauss"],
-            numpy["cached_gaussian"],
-        )
-    )
-    python = state["python"]
-    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
-
-
 # --- save -----------------------------------------------------------------------------------
 # A save has three parts: `snapshot` copies the live state into CPU buffers (the training loop
 # waits for this part only), `write_temporary` writes files from the copy into a temporary
@@ -158,7 +118,7 @@ class Snapshot:
     config: Any  # the model's transformers config (not changed by training)
     weights: dict[str, torch.Tensor]  # parameter and persistent buffer name -> CPU copy
     optimizer: dict[str, Any]  # `Optimizers.state_dict()` with CPU copies of its tensors
-    rng: dict[str, Any]
+    rng: dict[str, torch.Tensor]  # `PrivateRandom.state_dict()`
 
 
 class CpuBuffers:
@@ -193,6 +153,7 @@ def snapshot(
     model: PreTrainedModel,
     optimizers: Optimizers,
     state: CheckpointState,
+    rng: dict[str, torch.Tensor],
     buffers: CpuBuffers,
 ) -> Snapshot:
     """Copy the model's weights, the optimizer state and the RNG into `buffers`. The snapshot
@@ -205,9 +166,7 @@ def snapshot(
     optimizer = _copy_tree(optimizers.state_dict(), ("optimizer",), buffers)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # CPU-GPU sync: the non-blocking copies must have landed
-    return Snapshot(
-        state=state, config=model.config, weights=weights, optimizer=optimizer, rng=capture_rng()
-    )
+    return Snapshot(state=state, config=model.config, weights=weights, optimizer=optimizer, rng=rng)
 
 
 def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> Path:
@@ -309,9 +268,10 @@ def save_checkpoint(
     tokenizer: Tokenizer,
     optimizers: Optimizers,
     state: CheckpointState,
+    rng: dict[str, torch.Tensor],
 ) -> Path:
     """Write a complete checkpoint of `state.step` under `directory`, synchronously."""
-    copy = snapshot(model=model, optimizers=optimizers, state=state, buffers=CpuBuffers())
+    copy = snapshot(model=model, optimizers=optimizers, state=state, rng=rng, buffers=CpuBuffers())
     return publish_checkpoint(
         write_temporary(directory=directory, snapshot=copy, tokenizer=tokenizer)
     )
@@ -334,12 +294,19 @@ class CheckpointWriter:
         self.last_started: int | None = None  # the step of the newest save started
 
     def start(
-        self, *, model: PreTrainedModel, optimizers: Optimizers, state: CheckpointState
+        self,
+        *,
+        model: PreTrainedModel,
+        optimizers: Optimizers,
+        state: CheckpointState,
+        rng: dict[str, torch.Tensor],
     ) -> tuple[CheckpointState, Path] | None:
         """Start saving `state.step`. Waits first for the save in flight (the buffers are
         reused) and returns it when it finished meanwhile."""
         previous = self.wait()
-        copy = snapshot(model=model, optimizers=optimizers, state=state, buffers=self._buffers)
+        copy = snapshot(
+            model=model, optimizers=optimizers, state=state, rng=rng, buffers=self._buffers
+        )
         future = self._executor.submit(
             write_temporary, directory=self._directory, snapshot=copy, tokenizer=self._tokenizer
         )

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from contracts.workflow import Workflow
 from worker.error import ConfigError
+from worker.rng import PrivateRandom
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -76,9 +77,17 @@ def special_token_ids(tokenizer: Tokenizer) -> tuple[int, int]:
 
 def build_model(workflow: Workflow, device: torch.device) -> PreTrainedModel:
     """The causal LM of `workflow.model`, in float32 and train mode on `device`. A config is
-    initialised from `workflow.seed` alone, so two processes build identical weights."""
+    initialised from a private generator seeded by `workflow.seed` alone, so two processes
+    build identical weights whatever else they draw."""
+    with PrivateRandom(workflow.seed, torch.device("cpu")).drawing():
+        model = _instantiate(workflow)
+    # transformers declares `to` through functools.wraps(nn.Module.to), which mypy misreads.
+    model.to(device)  # type: ignore[arg-type]
+    return model.train()
+
+
+def _instantiate(workflow: Workflow) -> PreTrainedModel:
     spec = workflow.model
-    torch.manual_seed(workflow.seed)
     model: PreTrainedModel
     if spec.pretrained is not None:
         try:
@@ -98,9 +107,7 @@ def build_model(workflow: Workflow, device: torch.device) -> PreTrainedModel:
             model = AutoModelForCausalLM.from_config(model_config)
         except ValueError as err:
             raise ConfigError(f"model.config (model_type {model_type!r}): {err}") from err
-    # transformers declares `to` through functools.wraps(nn.Module.to), which mypy misreads.
-    model.to(device)  # type: ignore[arg-type]
-    return model.train()
+    return model
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:

@@ -34,7 +34,6 @@ from worker.checkpoint import (
     select_expired,
     select_resume_checkpoint,
 )
-from worker.checkpoint import restore_rng as set_rng_state
 from worker.data import PhaseData, batch_for_step, load_phase_data
 from worker.error import ConfigError, NonFiniteLoss
 from worker.evaluate import EvalData, evaluate_task, load_eval_data
@@ -42,6 +41,7 @@ from worker.model import build_model, configure_determinism, load_tokenizer, loa
 from worker.objective import StepLoss, backward_step
 from worker.optim import Optimizers, build_optimizers
 from worker.reporter import Reporter
+from worker.rng import PrivateRandom
 from worker.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ def should_eval(step: int, *, every: int, last: int) -> bool:
 
 
 def phase_seed(seed: int, phase_index: int) -> int:
-    """The torch seed of a phase (dropout); distinct per phase, fixed by the workflow."""
+    """The seed of a phase's private torch generator (dropout); distinct per phase, fixed by
+    the workflow."""
     return int(np.random.SeedSequence([seed % 2**64, phase_index]).generate_state(1)[0])
 
 
@@ -99,6 +100,7 @@ class CheckpointKeeper:
         reporter: Reporter,
         model: PreTrainedModel,
         optimizers: Optimizers,
+        rng: PrivateRandom,
         claim: Claim,
         workflow: Workflow,
         latest: CheckpointRef | None,
@@ -108,6 +110,7 @@ class CheckpointKeeper:
         self._reporter = reporter
         self._model = model
         self._optimizers = optimizers
+        self._rng = rng
         self._claim = claim
         self._phase = workflow.phases[claim.phase_index]
         self._offset = offsets[claim.phase_index]
@@ -133,7 +136,12 @@ class CheckpointKeeper:
             attempt_id=self._claim.attempt_id,
             groups=self._optimizers.group_names(),
         )
-        saved = self._writer.start(model=self._model, optimizers=self._optimizers, state=state)
+        saved = self._writer.start(
+            model=self._model,
+            optimizers=self._optimizers,
+            state=state,
+            rng=self._rng.state_dict(),
+        )
         self._register(saved, done=step)
 
     def collect(self, done: int) -> None:
@@ -240,10 +248,10 @@ def train_phase(
     reporter.progress()
 
     # Restore order: model, weights, optimizer groups derived by name from the live model,
-    # optimizer state, and the RNG last (nothing after it may draw a random number).
+    # optimizer state, then the phase's private random streams.
     model = build_model(workflow, device)
     _check_vocabulary(model, tokenizer, workflow.tokenizer)
-    torch.manual_seed(phase_seed(workflow.seed, phase_index))
+    rng = PrivateRandom(phase_seed(workflow.seed, phase_index), device)
     # Each quarantine is reported as it happens, before a failure to find any usable
     # checkpoint propagates: the service must never hand it out again.
     resumed = select_resume_checkpoint(
@@ -266,7 +274,7 @@ def train_phase(
     if inside is not None:
         optimizers.load_state_dict(inside.optimizer)
         if restore_rng:
-            set_rng_state(inside.rng)
+            _restore_random(rng, inside.rng, inside.path)
         else:
             log.warning("not restoring the RNG (TRAINCTL_TEST_SKIP_RNG_RESTORE): inexact resume")
     elif carried is not None:
@@ -288,6 +296,7 @@ def train_phase(
         reporter=reporter,
         model=model,
         optimizers=optimizers,
+        rng=rng,
         claim=claim,
         workflow=workflow,
         latest=resumed_from if inside is not None else None,
@@ -332,7 +341,8 @@ def train_phase(
                 ).to(device)
                 for micro in range(phase.grad_accum)
             ]
-            result = backward_step(model, microbatches)
+            with rng.drawing():
+                result = backward_step(model, microbatches)
 
             # --- gradient clipping, then the optimizer steps
             max_norm = workflow.optimizer.grad_clip or math.inf
@@ -459,6 +469,20 @@ def _source_metrics(
     for i, name in enumerate(names):
         out[f"token_share/{name}"] = float(shares[i])
     return out
+
+
+def _restore_random(rng: PrivateRandom, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Continue the phase's random streams where the checkpoint left them. A checkpoint
+    without them (written by an older trainctl, or on another kind of device) still resumes,
+    with those streams from the phase's seed: the run goes on, not bit-exactly."""
+    missing = rng.load_state_dict(state)
+    if missing:
+        log.warning(
+            "checkpoint %s holds no random state for %s: dropout continues from the phase's "
+            "seed, so this resume is not bit-identical to an uninterrupted run",
+            path,
+            ", ".join(missing),
+        )
 
 
 def _check_vocabulary(model: PreTrainedModel, tokenizer: Tokenizer, path: str) -> None:

@@ -2,11 +2,9 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -22,11 +20,9 @@ from worker.checkpoint import (
     STATE,
     CheckpointState,
     CheckpointWriter,
-    capture_rng,
     find_latest_complete,
     load_checkpoint,
     publish_checkpoint,
-    restore_rng,
     save_checkpoint,
     select_expired,
     verify_checkpoint,
@@ -34,6 +30,7 @@ from worker.checkpoint import (
 from worker.error import CheckpointError
 from worker.model import EOS_TOKEN, PAD_TOKEN, build_model, load_weights
 from worker.optim import Optimizers, build_optimizers
+from worker.rng import PrivateRandom
 
 
 @pytest.fixture
@@ -69,14 +66,21 @@ def state_at(step: int, optimizers: Optimizers) -> CheckpointState:
 
 
 def save(
-    directory: Path, step: int, model: PreTrainedModel, tokenizer: Tokenizer, optimizers: Optimizers
+    directory: Path,
+    step: int,
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    optimizers: Optimizers,
+    rng: PrivateRandom | None = None,
 ) -> Path:
+    rng = rng or PrivateRandom(0, torch.device("cpu"))
     return save_checkpoint(
         directory=directory,
         model=model,
         tokenizer=tokenizer,
         optimizers=optimizers,
         state=state_at(step, optimizers),
+        rng=rng.state_dict(),
     )
 
 
@@ -84,11 +88,10 @@ def test_checkpoint_roundtrip_restores_every_part(
     tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer
 ) -> None:
     model, optimizers = trained(workflow)
-    torch.manual_seed(11)
-    np.random.seed(12)
-    random.seed(13)
-    path = save(tmp_path / "checkpoints", 3, model, tokenizer, optimizers)
-    expected_draws = (torch.rand(3), np.random.rand(3), random.random())
+    rng = PrivateRandom(11, torch.device("cpu"))
+    torch.rand(5, generator=rng.generator("cpu"))  # somewhere along its stream
+    path = save(tmp_path / "checkpoints", 3, model, tokenizer, optimizers, rng)
+    expected_draws = torch.rand(3, generator=rng.generator("cpu"))
 
     assert path == tmp_path / "checkpoints" / "step-00000003"
     assert sorted(p.name for p in path.parent.iterdir()) == ["step-00000003"]  # no temporaries
@@ -108,14 +111,9 @@ def test_checkpoint_roundtrip_restores_every_part(
             optimizers.adamw.state[dict(model.named_parameters())[name]]["exp_avg_sq"],
         )
 
-    torch.manual_seed(0)
-    np.random.seed(0)
-    random.seed(0)
-    restore_rng(loaded.rng)
-    draws = (torch.rand(3), np.random.rand(3), random.random())
-    assert torch.equal(draws[0], expected_draws[0])
-    assert np.array_equal(draws[1], expected_draws[1])
-    assert draws[2] == expected_draws[2]
+    resumed = PrivateRandom(0, torch.device("cpu"))
+    assert resumed.load_state_dict(loaded.rng) == []
+    assert torch.equal(torch.rand(3, generator=resumed.generator("cpu")), expected_draws)
 
 
 def test_parts_load_without_unpickling_code(
@@ -226,7 +224,10 @@ def test_a_background_save_writes_only_its_own_temporary_directory(
     model, optimizers = trained(workflow)
     directory = tmp_path / "checkpoints"
     writer = CheckpointWriter(directory=directory, tokenizer=tokenizer)
-    writer.start(model=model, optimizers=optimizers, state=state_at(3, optimizers))
+    rng = PrivateRandom(0, torch.device("cpu"))
+    writer.start(
+        model=model, optimizers=optimizers, state=state_at(3, optimizers), rng=rng.state_dict()
+    )
     saved = writer.wait()
     writer.close()
     assert saved is not None
@@ -244,11 +245,6 @@ def test_retention_keeps_the_newest_and_each_phase_final(tmp_path: Path) -> None
     expired = select_expired(tmp_path, keep_last=2, keep_steps=[3, 6])
     assert [(s, p.name) for s, p in expired] == [(s, f"step-{s:08d}") for s in (7, 5, 4, 2, 1)]
     assert len(list(tmp_path.iterdir())) == 9  # deleted by the caller, once reported
-
-
-def test_rng_capture_is_plain_data(tmp_path: Path) -> None:
-    torch.save(capture_rng(), tmp_path / "rng.pt")
-    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
 
 
 def test_retention_ignores_leftovers_newer_than_the_registered_step(tmp_path: Path) -> None:

@@ -157,7 +157,7 @@ state = CheckpointState(step=5, phase_index=0, phase_name="pt", phase_step=5, to
                         signature="sig", attempt_id="a", groups=optimizers.group_names())
 # The trainer's path: the write runs in the background thread, whose SIGKILL kills us all.
 writer = CheckpointWriter(directory=Path(sys.argv[1]), tokenizer=load_tokenizer(sys.argv[2]))
-writer.start(model=model, optimizers=optimizers, state=state)
+writer.start(model=model, optimizers=optimizers, state=state, rng={})
 print("started", flush=True)
 writer.wait()
 print("saved")

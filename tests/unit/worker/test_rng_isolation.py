@@ -2,14 +2,11 @@
 
 The original PR's flaky test: dropout masks came from the backend's global RNG, which every
 concurrently running test also drew from, so one model's masks depended on its neighbours.
-Here a thread draws from a global stream for the whole of a training phase; the phase's losses
-and final weights must be bit-identical to a quiet run's.
-
-numpy's and Python's global streams are covered: the data path draws only from private
-generators (`worker.data._epoch_rng`), so a thread drawing from them changes nothing. torch's
-global generator is not: weight initialisation (`build_model`) and dropout draw from it, so a
-thread calling `torch.rand` meanwhile changes the losses. A worker runs one attempt per process
-and none of its own threads draws from it, but the isolation this file proves stops there.
+Here a thread draws from a global stream (torch's, numpy's, Python's) for the whole of a
+training phase, weight initialisation included; the phase's losses and final weights must be
+bit-identical to a quiet run's. The data path draws from private numpy generators
+(`worker.data._epoch_rng`); initialisation and dropout from a private torch generator
+(`worker.rng.PrivateRandom`).
 """
 
 from __future__ import annotations
@@ -38,6 +35,7 @@ CPU = torch.device("cpu")
 GLOBAL_STREAMS: dict[str, Callable[[], object]] = {
     "numpy": np.random.random,
     "python": random.random,
+    "torch": lambda: torch.rand(8),
 }
 
 
