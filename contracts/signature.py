@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from contracts.workflow import ENCODER_VERSION, Workflow
+from contracts.workflow import ENCODER_VERSION, Workflow, defaults_written_out
 
 _CHUNK = 1 << 20
 
@@ -137,7 +137,7 @@ def diff_components(stored: dict[str, Any], given: dict[str, Any]) -> list[Field
     def leaves(components: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         comps = dict(components)
-        _flatten(comps.pop("workflow", {}), "", out)
+        _flatten(defaults_written_out(comps.pop("workflow", {})), "", out)
         ckpt = comps.pop("initial_checkpoint", None)
         out["initial_checkpoint.sha256"] = None if ckpt is None else ckpt.get("sha256")
         for key, value in comps.items():

@@ -273,6 +273,26 @@ class Workflow(_Strict):
         return out
 
 
+def defaults_written_out(normalized: dict[str, Any]) -> dict[str, Any]:
+    """A stored normalised form with the defaults `Workflow.normalized` leaves out written back
+    (a phase's role and optimizer state, an eval set's name), so that two forms compare field
+    by field: a difference reads "reset" against "carry", not null against "carry"."""
+    out = copy.deepcopy(normalized)
+    left_out = {
+        name: info.default
+        for name, info in Phase.model_fields.items()
+        if info.exclude_if is not None
+    }
+    for phase in out.get("phases") or []:
+        if isinstance(phase, dict):
+            for name, default in left_out.items():
+                phase.setdefault(name, default)
+    for spec in out.get("evals") or []:
+        if isinstance(spec, dict) and "task" in spec:
+            spec.setdefault("name", spec["task"])
+    return out
+
+
 # --- validation ---------------------------------------------------------------------------
 
 

@@ -141,7 +141,7 @@ def test_optimizer_state_is_signed_only_when_it_carries() -> None:
     assert reset.sha256 == base.sha256 == FROZEN
     assert carry.sha256 != base.sha256
     [diff] = diff_components(base.components, carry.components)
-    assert (diff.field, diff.stored, diff.given) == ("phases[1].optimizer_state", None, "carry")
+    assert (diff.field, diff.stored, diff.given) == ("phases[1].optimizer_state", "reset", "carry")
     assert Workflow.model_validate(carry.components["workflow"]).phases[1].optimizer_state == (
         "carry"
     )
@@ -165,7 +165,9 @@ def test_eval_sets_sign_by_name_and_the_default_name_signs_as_before() -> None:
         compute_signature(workflow=unnamed, digests=DIGESTS).components,
         compute_signature(workflow=other, digests=DIGESTS).components,
     )
-    assert [(d.field, d.stored, d.given) for d in renamed] == [("evals[0].name", None, "qa-rag")]
+    assert [(d.field, d.stored, d.given) for d in renamed] == [
+        ("evals[0].name", "qa_reasoning", "qa-rag")
+    ]
 
 
 def test_a_replay_role_is_signed_and_the_default_role_is_not() -> None:
@@ -180,5 +182,5 @@ def test_a_replay_role_is_signed_and_the_default_role_is_not() -> None:
     assert train.sha256 == base.sha256 == FROZEN
     assert replay.sha256 != base.sha256
     [diff] = diff_components(base.components, replay.components)
-    assert (diff.field, diff.stored, diff.given) == ("phases[0].role", None, "replay")
+    assert (diff.field, diff.stored, diff.given) == ("phases[0].role", "train", "replay")
     assert Workflow.model_validate(replay.components["workflow"]).phases[0].role == "replay"
