@@ -20,6 +20,8 @@ MAX_NAME = 200
 MAX_HOSTNAME = 255
 # String(64): the task an evaluation is stored under.
 MAX_TASK = 64
+# String(1024): a file path stored as text (the file an attempt is preparing).
+MAX_PATH = 1024
 # String(32): run, attempt, job and token ids.
 MAX_ID = 32
 # String(64): SHA-256 hex digests (workflow ids, signatures).

@@ -11,7 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from contracts.bounds import MAX_COUNT, MAX_HOSTNAME, MAX_NAME, MAX_TASK, NO_NUL, NUL_REPLACED
+from contracts.bounds import (
+    MAX_COUNT,
+    MAX_HOSTNAME,
+    MAX_NAME,
+    MAX_PATH,
+    MAX_TASK,
+    NO_NUL,
+    NUL_REPLACED,
+)
 from contracts.signature import Digests
 from contracts.workflow import name_defaults_to_task
 
@@ -75,12 +83,22 @@ class Claim(BaseModel):
     encoder_version: int | None = None
 
 
+class Preparing(BaseModel):
+    """A data file being tokenized into its store: the file, and the share of it read."""
+
+    file: Annotated[str, Field(max_length=MAX_PATH), NO_NUL]
+    fraction: float = Field(ge=0.0, le=1.0)
+
+
 class Heartbeat(BaseModel):
     fencing_token: FencingToken
     step: Step
     # A counter that only grows while the worker works (steps, eval batches, checkpoint
     # writes, preparation units): the service judges a stall by it, not by the heartbeat.
     progress: int = Field(default=0, ge=0, le=2**63 - 1)
+    # While the attempt tokenizes a data file into its token store, before its first step;
+    # left out of the body otherwise.
+    preparing: Preparing | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class HeartbeatAnswer(BaseModel):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,15 +30,29 @@ from tokenizers import Tokenizer
 
 from contracts.jobs import InspectionReport
 from contracts.workflow import Phase, SourceGeometry
-from worker.encode import Encoded, encode_records
+from worker.encode import ZERO_TARGET, too_long
 from worker.error import DataError
 from worker.model import special_token_ids
-from worker.records import Record, read_records
+from worker.store import KINDS, Stores, TokenFile
 
 IGNORE_INDEX = -100  # label of a position that is not a target (torch's cross_entropy default)
-# Records encoded per tokenizer call; each batch done is progress (a corpus takes minutes).
-ENCODE_BATCH = 4096
 _GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+class Tokens(Protocol):
+    """A record's token ids and loss mask: an encoded record, or one read from a store."""
+
+    @property
+    def ids(self) -> np.ndarray: ...
+
+    @property
+    def loss_mask(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    ids: np.ndarray
+    loss_mask: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ class Batch:
 # --- rows -----------------------------------------------------------------------------------
 
 
-def record_row(encoded: Encoded, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def record_row(encoded: Tokens, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) of one record padded to `length` (>= len(ids) - 1): position t
     predicts ids[t + 1], a target where the loss mask says so."""
     n = len(encoded.ids) - 1
@@ -101,7 +116,7 @@ def stack_rows(rows: Sequence[tuple[np.ndarray, np.ndarray]], *, source: int = 0
 
 
 def packed_rows(
-    rows: Sequence[Sequence[Encoded]], length: int, pad_id: int, *, source: int = 0
+    rows: Sequence[Sequence[Tokens]], length: int, pad_id: int, *, source: int = 0
 ) -> Batch:
     """Rows of packed records with their block-diagonal causal mask and per-record positions.
     Each padding position is a block of its own (it attends to itself only)."""
@@ -139,7 +154,7 @@ def packed_rows(
 @dataclass
 class TextSource:
     geometry: SourceGeometry
-    tokens: np.ndarray  # every document, EOS-joined, int32
+    tokens: np.ndarray  # every document, EOS-joined: the store's ids, memory-mapped
     # The window order last used: ((seed, phase_index, index, epoch), permutation).
     _order: tuple[tuple[int, ...], np.ndarray] | None = field(default=None, repr=False)
 
@@ -160,12 +175,18 @@ class TextSource:
 @dataclass
 class RecordSource:
     geometry: SourceGeometry
-    records: list[Encoded]
-    # Packed rows of each epoch (lists of record indices) by (seed, phase_index, index), built
-    # on first use: a cache of a pure function.
-    _epochs: dict[tuple[int, int, int], list[list[list[int]]]] = field(
+    store: TokenFile
+    # Positions each record takes in a row (its ids but the last), read once from the store.
+    sizes: np.ndarray
+    # Packed epochs by (seed, phase_index, index), built on first use (a cache of a pure
+    # function): the epoch's record order, and where each row starts in it.
+    _epochs: dict[tuple[int, int, int], list[tuple[np.ndarray, np.ndarray]]] = field(
         default_factory=dict, repr=False
     )
+
+    def record(self, i: int) -> StoredRecord:
+        ids, mask = self.store.record(i)
+        return StoredRecord(ids, mask)
 
 
 @dataclass(frozen=True)
@@ -205,41 +226,47 @@ def _cumulative_counts(schedule: np.ndarray, sources: int) -> np.ndarray:
 
 
 def load_phase_data(
-    phase: Phase, tokenizer: Tokenizer, progress: Callable[[], None] | None = None
+    phase: Phase,
+    tokenizer: Tokenizer,
+    progress: Callable[[], None] | None = None,
+    *,
+    stores: Stores | None = None,
 ) -> PhaseData:
-    """Read and encode every source of `phase`. A supervised record that cannot be encoded
-    within its source's sequence_length, or that has no target tokens, is refused here, before
-    the first step, with its file, line and lengths; nothing is truncated. `progress` is called
-    after each file read and each ENCODE_BATCH records encoded."""
-    from worker.inspect import summarize
+    """Open (building them first where missing) the token stores of every source of `phase`.
+    A supervised record that cannot be encoded within its source's sequence_length, or that
+    has no target tokens, is refused here, before the first step, with its file, line and
+    lengths; nothing is truncated. `progress` is called as stores are opened or built.
+    Without `stores`, each file is tokenized into a private store that lives as long as its
+    memory maps (tests, one-off tools)."""
+    if stores is None:
+        with Stores.temporary(tokenizer, progress=progress) as temporary:
+            return load_phase_data(phase, tokenizer, progress, stores=temporary)
+    from worker.inspect import summarize_store
 
     _, pad_id = special_token_ids(tokenizer)
     sources: list[TextSource | RecordSource] = []
     reports = []
     for geometry in phase.sources():
-        records = read_records(geometry.path)
+        text = geometry.objective == "continued_pretrain"
+        seq = geometry.sequence_length
+        store = stores.get(geometry.path, fit=None if text else seq)
         if progress is not None:
             progress()
-        if not records:
+        if len(store) == 0:
             raise DataError(f"{geometry.path}: no records (phase {phase.name!r})")
-        seq = geometry.sequence_length
-        if geometry.objective == "continued_pretrain":
-            _require_kind(records, "text", geometry, phase)
-            encoded = _encode(tokenizer, records, sequence_length=None, progress=progress)
-            tokens = np.concatenate([e.ids for e in encoded])
-            if len(tokens) < seq + 1:
+        _require_kind(store, text, geometry, phase)
+        if text:
+            if store.tokens < seq + 1:
                 raise DataError(
-                    f"{geometry.path}: {len(tokens)} tokens in all, fewer than one window of "
+                    f"{geometry.path}: {store.tokens} tokens in all, fewer than one window of "
                     f"sequence_length + 1 = {seq + 1} (phase {phase.name!r})"
                 )
-            sources.append(TextSource(geometry=geometry, tokens=tokens))
+            sources.append(TextSource(geometry=geometry, tokens=store.ids))
         else:
-            _require_kind(records, "supervised", geometry, phase)
-            encoded = _encode(tokenizer, records, sequence_length=seq, progress=progress)
-            _refuse_unusable(records, encoded, geometry, phase)
-            sources.append(RecordSource(geometry=geometry, records=encoded))
+            _refuse_unusable(store, geometry, phase)
+            sources.append(RecordSource(geometry=geometry, store=store, sizes=store.lengths() - 1))
         if phase.inspection is not None:
-            report = summarize(records, encoded, objective=geometry.objective, sequence_length=seq)
+            report = summarize_store(store, objective=geometry.objective, sequence_length=seq)
             if failures := report.gate_failures(phase.inspection):
                 raise DataError(
                     f"{geometry.path}: inspection required by phase {phase.name!r} failed: "
@@ -258,58 +285,52 @@ def load_phase_data(
     )
 
 
-def _encode(
-    tokenizer: Tokenizer,
-    records: list[Record],
-    *,
-    sequence_length: int | None,
-    progress: Callable[[], None] | None,
-) -> list[Encoded]:
-    """encode_records, ENCODE_BATCH records at a time (each encoded alone, so the batches
-    change nothing), calling `progress` after each batch."""
-    encoded: list[Encoded] = []
-    for start in range(0, len(records), ENCODE_BATCH):
-        batch = records[start : start + ENCODE_BATCH]
-        encoded += encode_records(tokenizer, batch, sequence_length=sequence_length)
-        if progress is not None:
-            progress()
-    return encoded
-
-
-def _require_kind(records: list[Record], want: str, geometry: SourceGeometry, phase: Phase) -> None:
-    for record in records:
-        if (record.kind == "text") != (want == "text"):
-            if want == "text":
-                raise DataError(
-                    f"{record.path}:{record.line}: a {record.kind} record in source "
-                    f"{geometry.name!r} of phase {phase.name!r}, whose objective is "
-                    'continued_pretrain: it reads {"text"} records or plain text'
-                )
-            raise DataError(
-                f"{record.path}:{record.line}: a text record in source {geometry.name!r} of "
-                f"phase {phase.name!r} ({geometry.objective}), which reads supervised records; "
-                'to replay pretraining text, give this source "objective": "continued_pretrain"'
-            )
-
-
-def _refuse_unusable(
-    records: list[Record], encoded: list[Encoded], geometry: SourceGeometry, phase: Phase
-) -> None:
-    bad = [(r, e) for r, e in zip(records, encoded, strict=True) if not e.usable]
-    if not bad:
+def _require_kind(store: TokenFile, text: bool, geometry: SourceGeometry, phase: Phase) -> None:
+    kinds = store.kinds()
+    wrong = np.flatnonzero((kinds == KINDS.index("text")) != text)
+    if not wrong.size:
         return
-    record, first = bad[0]
-    more = (
-        f" ({len(bad) - 1} more of {len(records)} records are refused too)" if len(bad) > 1 else ""
+    first = int(wrong[0])
+    kind, line = KINDS[kinds[first]], int(store.records["line"][first])
+    if text:
+        raise DataError(
+            f"{geometry.path}:{line}: a {kind} record in source {geometry.name!r} of phase "
+            f'{phase.name!r}, whose objective is continued_pretrain: it reads {{"text"}} '
+            "records or plain text"
+        )
+    raise DataError(
+        f"{geometry.path}:{line}: a text record in source {geometry.name!r} of "
+        f"phase {phase.name!r} ({geometry.objective}), which reads supervised records; "
+        'to replay pretraining text, give this source "objective": "continued_pretrain"'
     )
+
+
+def unusable_reason(store: TokenFile, i: int, limit: int | None) -> str:
+    """Why record i of a store cannot be trained on, in the words of the encoder."""
+    row = store.records[i]
+    if row["zero_target"]:
+        return ZERO_TARGET
+    ids, mask = store.record(i)
+    return too_long(len(ids), int(mask.sum()), limit if limit is not None else len(ids) - 1)
+
+
+def _refuse_unusable(store: TokenFile, geometry: SourceGeometry, phase: Phase) -> None:
+    records = store.records
+    bad = np.flatnonzero(~records["fits"] | records["zero_target"])
+    if not bad.size:
+        return
+    first = int(bad[0])
+    more = f" ({bad.size - 1} more of {len(store)} records are refused too)" if bad.size > 1 else ""
+    fits = bool(records["fits"][first])
     hint = (
         "shorten the record, mark its passages elastic, or raise sequence_length"
-        if not first.report.fits
+        if not fits
         else "remove it or give it a target"
     )
+    reason = unusable_reason(store, first, geometry.sequence_length + 1)
     raise DataError(
-        f"{record.path}:{record.line}: {record.kind} record {first.report.reason} "
-        f"(source {geometry.name!r}, sequence_length {geometry.sequence_length}, phase "
+        f"{geometry.path}:{int(records['line'][first])}: {KINDS[records['kind'][first]]} record "
+        f"{reason} (source {geometry.name!r}, sequence_length {geometry.sequence_length}, phase "
         f"{phase.name!r}); {hint}{more}"
     )
 
@@ -321,41 +342,46 @@ def _epoch_rng(seed: int, phase_index: int, source: int, epoch: int) -> np.rando
     return np.random.default_rng([seed % 2**64, phase_index, source, epoch])
 
 
-def _pack_epoch(source: RecordSource, rng: np.random.Generator) -> list[list[int]]:
-    """Records in a seeded order, laid greedily into rows of sequence_length positions."""
-    seq = source.geometry.sequence_length
-    rows: list[list[int]] = []
-    row: list[int] = []
+def _pack_epoch(
+    sizes: np.ndarray, seq: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Records in a seeded order, laid greedily into rows of `seq` positions: (order, starts),
+    row r holding records order[starts[r]:starts[r + 1]]. Two int64 arrays per epoch, read
+    from the stored sizes alone."""
+    order = rng.permutation(len(sizes))
+    starts = [0]
     fill = 0
-    for i in rng.permutation(len(source.records)).tolist():
-        size = len(source.records[i].ids) - 1
+    for k, size in enumerate(sizes[order].tolist()):
         if fill + size > seq:
-            rows.append(row)
-            row, fill = [], 0
-        row.append(i)
+            starts.append(k)
+            fill = 0
         fill += size
-    rows.append(row)
-    return rows
+    starts.append(len(order))
+    return order, np.asarray(starts, dtype=np.int64)
 
 
 def _record_rows(
     source: RecordSource, first: int, count: int, *, seed: int, phase_index: int, index: int
-) -> list[list[Encoded]]:
-    """Packed rows first .. first + count - 1 of the source's endless row stream."""
+) -> list[list[StoredRecord]]:
+    """Packed rows first .. first + count - 1 of the source's endless row stream, read from
+    the store."""
     out = []
+    seq = source.geometry.sequence_length
     epochs = source._epochs.setdefault((seed, phase_index, index), [])
     epoch, start = 0, 0  # the epoch holding row `first`, and that epoch's first row number
     for g in range(first, first + count):
         while True:
             while len(epochs) <= epoch:
                 rng = _epoch_rng(seed, phase_index, index, len(epochs))
-                epochs.append(_pack_epoch(source, rng))
-            rows = epochs[epoch]
-            if g < start + len(rows):
+                epochs.append(_pack_epoch(source.sizes, seq, rng))
+            order, starts = epochs[epoch]
+            rows = len(starts) - 1
+            if g < start + rows:
                 break
-            start += len(rows)
+            start += rows
             epoch += 1
-        out.append([source.records[i] for i in rows[g - start]])
+        r = g - start
+        out.append([source.record(int(i)) for i in order[starts[r] : starts[r + 1]]])
     return out
 
 

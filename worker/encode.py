@@ -232,19 +232,23 @@ def _judge(
     reason = None
     limit = None if sequence_length is None else sequence_length + 1
     if report.zero_target:
-        reason = "no target tokens (an empty target trains nothing but the EOS)"
+        reason = ZERO_TARGET
     elif limit is not None and len(tokens) > limit:
-        reason = (
-            f"encodes to {len(tokens)} tokens (prompt {len(tokens) - _targets(mask)} + target "
-            f"and EOS {_targets(mask)}), more than sequence_length + 1 = {limit}"
-        )
+        reason = too_long(len(tokens), int(loss_mask.sum()), limit)
     if reason is not None:
         report = replace(report, fits=limit is None or len(tokens) <= limit, reason=reason)
     return Encoded(ids, loss_mask, report)
 
 
-def _targets(mask: list[bool]) -> int:
-    return sum(mask)
+ZERO_TARGET = "no target tokens (an empty target trains nothing but the EOS)"
+
+
+def too_long(tokens: int, targets: int, limit: int) -> str:
+    """Why a record of `tokens` ids, `targets` of them trained on, does not fit `limit`."""
+    return (
+        f"encodes to {tokens} tokens (prompt {tokens - targets} + target and EOS {targets}), "
+        f"more than sequence_length + 1 = {limit}"
+    )
 
 
 def _fit_segments(

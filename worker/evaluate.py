@@ -1,6 +1,7 @@
 """Per-task evaluation: token-weighted, target-only cross-entropy over a whole eval file.
 
-Records go through the one encoder (worker.encode) and the loss through the one objective
+Records go through the one encoder (worker.encode, read from the token store that training
+reads) and the loss through the one objective
 (worker.objective), so an eval number is the training loss without gradients. A supervised
 record that does not fit is skipped and counted in `oversized_records`; one without target
 tokens is an error, never a silent zero.
@@ -20,12 +21,12 @@ from transformers import PreTrainedModel
 from contracts.jobs import EvaluateRequest
 from contracts.reports import EvalResult
 from contracts.workflow import EvalSpec, perplexity
-from worker.data import IGNORE_INDEX, record_row, stack_rows, window_row
-from worker.encode import encode_records
+from worker.data import IGNORE_INDEX, StoredRecord, record_row, stack_rows, window_row
+from worker.encode import ZERO_TARGET
 from worker.error import ConfigError, DataError
 from worker.model import load_tokenizer, special_token_ids
 from worker.objective import objective_loss
-from worker.records import read_records
+from worker.store import KINDS, Stores
 
 
 @dataclass(frozen=True)
@@ -40,44 +41,59 @@ class EvalData:
     pad_id: int
 
 
-def load_eval_data(tokenizer: Tokenizer, spec: EvalSpec, *, sequence_length: int) -> EvalData:
-    """The rows of an eval file. Held-out text is cut into windows whose targets cover every
-    token after the first exactly once; supervised records are encoded as in training."""
-    _, pad_id = special_token_ids(tokenizer)
-    records = read_records(spec.data)
-    text = spec.task == "continued_pretrain"
-    for record in records:
-        if (record.kind == "text") != text:
-            wants = "text" if text else "supervised records"
-            raise DataError(
-                f"{record.path}:{record.line}: a {record.kind} record in the eval data of "
-                f"task {spec.task!r}, which reads {wants}"
+def load_eval_data(
+    tokenizer: Tokenizer,
+    spec: EvalSpec,
+    *,
+    sequence_length: int,
+    stores: Stores | None = None,
+) -> EvalData:
+    """The rows of an eval file, read from its token store (without `stores`, a private
+    one). Held-out text is cut into windows whose targets cover every token after the first
+    exactly once; supervised records are fitted as in training."""
+    if stores is None:
+        with Stores.temporary(tokenizer) as temporary:
+            return load_eval_data(
+                tokenizer, spec, sequence_length=sequence_length, stores=temporary
             )
-    encoded = encode_records(tokenizer, records, sequence_length=None if text else sequence_length)
+    _, pad_id = special_token_ids(tokenizer)
+    text = spec.task == "continued_pretrain"
+    store = stores.get(spec.data, fit=None if text else sequence_length)
+    kinds = store.kinds()
+    wrong = np.flatnonzero((kinds == KINDS.index("text")) != text)
+    if wrong.size:
+        first = int(wrong[0])
+        wants = "text" if text else "supervised records"
+        raise DataError(
+            f"{spec.data}:{int(store.records['line'][first])}: a {KINDS[kinds[first]]} record "
+            f"in the eval data of task {spec.task!r}, which reads {wants}"
+        )
     if text:
-        tokens = np.concatenate([e.ids for e in encoded]) if encoded else np.zeros(0, np.int32)
+        tokens = store.ids
         rows = []
         for start in range(0, max(len(tokens) - 1, 0), sequence_length):
             window = tokens[start : start + sequence_length + 1]
             rows.append(window_row(window, len(window) - 1, pad_id))
         return EvalData(
-            spec.name, spec.task, spec.data, sequence_length, rows, len(records), 0, pad_id
+            spec.name, spec.task, spec.data, sequence_length, rows, len(store), 0, pad_id
         )
-    for record, enc in zip(records, encoded, strict=True):
-        if enc.report.zero_target:
-            raise DataError(
-                f"{record.path}:{record.line}: eval record of task {spec.task!r} has "
-                f"{enc.report.reason}"
-            )
-    fitting = [e for e in encoded if e.report.fits]
+    zero = np.flatnonzero(store.records["zero_target"])
+    if zero.size:
+        line = int(store.records["line"][int(zero[0])])
+        raise DataError(f"{spec.data}:{line}: eval record of task {spec.task!r} has {ZERO_TARGET}")
+    fitting = np.flatnonzero(store.records["fits"]).tolist()
+    rows = []
+    for i in fitting:
+        ids, mask = store.record(i)
+        rows.append(record_row(StoredRecord(ids, mask), len(ids) - 1, pad_id))
     return EvalData(
         name=spec.name,
         task=spec.task,
         path=spec.data,
         sequence_length=sequence_length,
-        rows=[record_row(e, len(e.ids) - 1, pad_id) for e in fitting],
+        rows=rows,
         records=len(fitting),
-        oversized_records=len(encoded) - len(fitting),
+        oversized_records=len(store) - len(fitting),
         pad_id=pad_id,
     )
 
@@ -140,17 +156,24 @@ def _pad(
 
 
 def evaluate_checkpoint(
-    request: EvaluateRequest, *, device: torch.device | None = None
+    request: EvaluateRequest,
+    *,
+    device: torch.device | None = None,
+    store_root: Path | None = None,
 ) -> EvalResult:
     """Evaluate a `save_pretrained` directory (a run's checkpoint, or any local model) outside
     a run. Its step and phase come from a trainctl checkpoint's state.json when there is one
-    (0 and "" otherwise)."""
+    (0 and "" otherwise). The eval file is read through the token stores under `store_root`
+    (a private store without it)."""
     loaded = _load_checkpoint(request, device=device)
-    return _evaluate_request(loaded, request)
+    return _evaluate_request(loaded, request, store_root)
 
 
 def evaluate_checkpoint_sets(
-    requests: list[EvaluateRequest], *, device: torch.device | None = None
+    requests: list[EvaluateRequest],
+    *,
+    device: torch.device | None = None,
+    store_root: Path | None = None,
 ) -> list[EvalResult]:
     """`evaluate_checkpoint` for several eval sets of one checkpoint and tokenizer (a
     workflow's, each at its own geometry), loading the model once. An error names the set."""
@@ -164,7 +187,7 @@ def evaluate_checkpoint_sets(
     results = []
     for request in requests:
         try:
-            results.append(_evaluate_request(loaded, request))
+            results.append(_evaluate_request(loaded, request, store_root))
         except DataError as err:
             raise DataError(f"eval set {request.name or request.task!r}: {err}") from err
     return results
@@ -203,9 +226,14 @@ def _load_checkpoint(request: EvaluateRequest, *, device: torch.device | None) -
     return _Loaded(model, tokenizer, step, phase)
 
 
-def _evaluate_request(loaded: _Loaded, request: EvaluateRequest) -> EvalResult:
+def _evaluate_request(
+    loaded: _Loaded, request: EvaluateRequest, store_root: Path | None
+) -> EvalResult:
     spec = EvalSpec(name=request.name or request.task, task=request.task, data=request.data)
-    data = load_eval_data(loaded.tokenizer, spec, sequence_length=request.sequence_length)
+    stores = None if store_root is None else Stores(store_root, loaded.tokenizer)
+    data = load_eval_data(
+        loaded.tokenizer, spec, sequence_length=request.sequence_length, stores=stores
+    )
     return evaluate_task(
         loaded.model,
         data,

@@ -1,15 +1,18 @@
 """Dataset inspection: what training would make of a file, before a GPU hour is spent on it.
 
-It runs the exact tokenizer and the one encoder (worker.encode) that training and evaluation
-use, so "refused", "trimmed" and the lengths here are what training does, not an estimate.
+It reads the token store that training reads (worker.store: the exact tokenizer and the one
+encoder), so "refused", "trimmed" and the lengths here are what training does, not an
+estimate, and a file of any size is inspected in memory bounded by its per-record columns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -21,36 +24,47 @@ from contracts.jobs import (
     SegmentSurvival,
 )
 from contracts.workflow import Objective
-from worker.encode import Encoded, encode_records
+from worker.data import unusable_reason
+from worker.encode import Encoded
 from worker.model import load_tokenizer
-from worker.records import Record, read_records
+from worker.records import ELASTIC, Record, read_lines
+from worker.store import DROPPED, KEPT, KINDS, TRIMMED, Columns, Stores, TokenFile
 
 MAX_PROBLEMS = 50  # problems listed with their line numbers; all are counted
 
 
 def inspect_file(
-    request: InspectRequest, *, write_fit: str | Path | None = None
+    request: InspectRequest,
+    *,
+    write_fit: str | Path | None = None,
+    stores: Stores | None = None,
 ) -> InspectionReport:
-    """Inspect `request.path`. With `write_fit`, also write the records that training would
-    take (the original lines, decompressed) to that file, atomically."""
-    tokenizer = load_tokenizer(request.tokenizer)
-    records = read_records(request.path)
+    """Inspect `request.path` from its token store (built first where missing; without
+    `stores`, a private one). With `write_fit`, also write the records that training would
+    take (the original lines, decompressed) to that file, atomically. Memory is bounded by the
+    store's per-record columns, not the file's text."""
+    if stores is None:
+        with Stores.temporary(load_tokenizer(request.tokenizer)) as temporary:
+            return inspect_file(request, write_fit=write_fit, stores=temporary)
     text = request.objective == "continued_pretrain"
-    encoded = encode_records(
-        tokenizer, records, sequence_length=None if text else request.sequence_length
-    )
-    report = summarize(
-        records, encoded, objective=request.objective, sequence_length=request.sequence_length
+    store = stores.get(request.path, fit=None if text else request.sequence_length)
+    report = summarize_store(
+        store, objective=request.objective, sequence_length=request.sequence_length
     )
     if write_fit is not None:
-        kept = [r.raw for r, e in zip(records, encoded, strict=True) if _trainable(r, e, text)]
-        _write_lines(Path(write_fit), kept)
-        report = report.model_copy(update={"fit_path": str(write_fit), "fit_written": len(kept)})
+        records = store.records
+        trainable = (
+            records["kind"] == KINDS.index("text")
+            if text
+            else (records["kind"] != KINDS.index("text"))
+            & records["fits"]
+            & ~records["zero_target"]
+        )
+        lines = set(np.asarray(records["line"][trainable]).tolist())
+        kept = (line for number, line in read_lines(request.path) if number in lines)
+        written = _write_lines(Path(write_fit), kept)
+        report = report.model_copy(update={"fit_path": str(write_fit), "fit_written": written})
     return report
-
-
-def _trainable(record: Record, encoded: Encoded, text: bool) -> bool:
-    return record.kind == "text" if text else record.kind != "text" and encoded.usable
 
 
 def summarize(
@@ -60,69 +74,104 @@ def summarize(
     objective: Objective,
     sequence_length: int,
 ) -> InspectionReport:
-    """The report of already-encoded records (training's phase gate calls this directly)."""
-    text = objective == "continued_pretrain"
-    formats: dict[str, int] = {}
-    problems: list[RecordProblem] = []
-    seen: set[tuple[object, ...]] = set()
-    fit = refused = trimmed = tokens_trimmed = dropped = zero = duplicates = 0
-    source_end_lost = 0
-    survival: dict[tuple[str, str | None], SegmentSurvival] = {}
-
-    def problem(record: Record, reason: str) -> None:
-        if len(problems) < MAX_PROBLEMS:
-            problems.append(RecordProblem(line=record.line, reason=reason))
-
-    for record, enc in zip(records, encoded, strict=True):
-        formats[record.kind] = formats.get(record.kind, 0) + 1
-        report = enc.report
-        key = record.key()
-        if key in seen:
-            duplicates += 1
-            problem(record, "duplicate of an earlier record")
-        seen.add(key)
-        if text or record.kind == "text":
-            if text == (record.kind == "text"):
-                fit += 1
-            else:
-                refused += 1
-                problem(record, _wrong_kind(record.kind, objective))
-            continue
-        if report.zero_target:
-            zero += 1
-            problem(record, report.reason or "no target tokens")
-        elif not report.fits:
-            refused += 1
-            problem(record, report.reason or "does not fit")
-            if record.kind == "pair":
-                source_end_lost += 1
-        else:
-            fit += 1
-        if enc.usable and (report.dropped_segments or report.trimmed_segments):
-            trimmed += 1
-            tokens_trimmed += report.tokens_trimmed
-            dropped += len(report.dropped_segments)
-        if record.kind == "segmented":
-            _count_survival(survival, record, enc)
-    return InspectionReport(
+    """The report of records encoded in memory: the store's columns, made here."""
+    columns = Columns()
+    rows, segments = columns.rows(records, encoded, 0)
+    return _summarize(
         path=records[0].path if records else "",
+        rows=rows,
+        segments=segments,
+        roles=list(columns.roles),
+        lengths=np.array([len(e.ids) for e in encoded], dtype=np.int64),
+        reason=lambda i: encoded[i].report.reason or "does not fit",
         objective=objective,
         sequence_length=sequence_length,
-        formats=formats,
-        records=len(records),
-        fit=fit,
-        refused=refused,
-        trimmed=trimmed,
-        tokens_trimmed=tokens_trimmed,
-        segments_dropped=dropped,
-        zero_target=zero,
-        duplicates=duplicates,
-        source_end_lost_if_truncated=source_end_lost,
-        lengths=_lengths(encoded),
-        segments=list(survival.values()),  # roles in order of first appearance
-        problems=problems,
-        text_tokens=sum(len(e.ids) for e in encoded) if text else None,
     )
+
+
+def summarize_store(
+    store: TokenFile, *, objective: Objective, sequence_length: int
+) -> InspectionReport:
+    """The report of a file from its store (training's phase gate calls this directly)."""
+    limit = None if objective == "continued_pretrain" else sequence_length + 1
+    return _summarize(
+        path=store.source,
+        rows=store.records,
+        segments=store.segments,
+        roles=store.roles,
+        lengths=store.lengths(),
+        reason=lambda i: unusable_reason(store, i, limit),
+        objective=objective,
+        sequence_length=sequence_length,
+    )
+
+
+def _summarize(
+    *,
+    path: str,
+    rows: np.ndarray,
+    segments: np.ndarray,
+    roles: list[str],
+    lengths: np.ndarray,
+    reason: Callable[[int], str],
+    objective: Objective,
+    sequence_length: int,
+) -> InspectionReport:
+    """Counts over whole columns; only the first MAX_PROBLEMS problems are read one by one."""
+    text = objective == "continued_pretrain"
+    kinds = np.asarray(rows["kind"])
+    is_text = kinds == KINDS.index("text")
+    wrong_kind = is_text != text
+    zero = ~is_text & ~wrong_kind & np.asarray(rows["zero_target"])
+    refused = ~is_text & ~wrong_kind & ~zero & ~np.asarray(rows["fits"])
+    # Trained on: a supervised record read by a supervised objective that fits and has targets.
+    usable = ~is_text & ~wrong_kind & np.asarray(rows["fits"]) & ~np.asarray(rows["zero_target"])
+    shrunk = usable & ((rows["segments_dropped"] > 0) | (rows["segments_trimmed"] > 0))
+    duplicate = _duplicates(np.asarray(rows["key"]))
+
+    problems: list[RecordProblem] = []
+    candidates = np.flatnonzero(duplicate | wrong_kind | zero | refused)
+    for i in candidates[:MAX_PROBLEMS].tolist():
+        line = int(rows["line"][i])
+        if duplicate[i]:
+            problems.append(RecordProblem(line=line, reason="duplicate of an earlier record"))
+        if wrong_kind[i]:
+            problems.append(
+                RecordProblem(line=line, reason=_wrong_kind(KINDS[kinds[i]], objective))
+            )
+        elif zero[i] or refused[i]:
+            problems.append(RecordProblem(line=line, reason=reason(i)))
+    formats = {KINDS[k]: int(n) for k, n in zip(*np.unique(kinds, return_counts=True), strict=True)}
+    order = sorted(formats, key=lambda kind: int(np.argmax(kinds == KINDS.index(kind))))
+    return InspectionReport(
+        path=path,
+        objective=objective,
+        sequence_length=sequence_length,
+        formats={kind: formats[kind] for kind in order},
+        records=len(rows),
+        fit=int((~wrong_kind & (is_text | usable)).sum()),
+        refused=int((wrong_kind | refused).sum()),
+        trimmed=int(shrunk.sum()),
+        tokens_trimmed=int(rows["tokens_trimmed"][shrunk].sum()),
+        segments_dropped=int(rows["segments_dropped"][shrunk].sum()),
+        zero_target=int(zero.sum()),
+        duplicates=int(duplicate.sum()),
+        source_end_lost_if_truncated=int((refused & (kinds == KINDS.index("pair"))).sum()),
+        lengths=_lengths(rows),
+        segments=[] if text else _survival(segments, roles, usable),
+        problems=problems[:MAX_PROBLEMS],
+        text_tokens=int(lengths.sum()) if text else None,
+    )
+
+
+def _duplicates(keys: np.ndarray) -> np.ndarray:
+    """True for every record whose content hash an earlier record has."""
+    if not len(keys):
+        return np.zeros(0, bool)
+    _, first = np.unique(keys, return_index=True)
+    out = np.ones(len(keys), bool)
+    out[first] = False
+    return out
 
 
 def _wrong_kind(kind: str, objective: str) -> str:
@@ -131,37 +180,36 @@ def _wrong_kind(kind: str, objective: str) -> str:
     return f"a text record where {objective} reads supervised records"
 
 
-def _count_survival(
-    survival: dict[tuple[str, str | None], SegmentSurvival], record: Record, enc: Encoded
-) -> None:
-    report = enc.report
-    for i, segment in enumerate(record.segments):
-        key = (segment.role, segment.elastic)
-        entry = survival.get(key) or SegmentSurvival(
-            role=segment.role,
-            elastic=segment.elastic,
-            segments=0,
-            kept=0,
-            trimmed=0,
-            dropped=0,
-            refused=0,
+def _survival(segments: np.ndarray, roles: list[str], usable: np.ndarray) -> list[SegmentSurvival]:
+    """Per (role, elasticity), in order of first appearance, how its segments fared."""
+    if not len(segments):
+        return []
+    role, elastic = np.asarray(segments["role"]), np.asarray(segments["elastic"])
+    fate = np.asarray(segments["fate"])
+    kept_record = usable[np.asarray(segments["record"])]
+    pair = role.astype(np.int64) * 8 + elastic
+    _, first = np.unique(pair, return_index=True)
+    out = []
+    for i in sorted(first.tolist()):
+        mine = pair == pair[i]
+        code = int(elastic[i])
+        out.append(
+            SegmentSurvival(
+                role=roles[int(role[i])],
+                elastic=None if code == 0 else ELASTIC[code - 1],
+                segments=int(mine.sum()),
+                kept=int((mine & kept_record & (fate == KEPT)).sum()),
+                trimmed=int((mine & kept_record & (fate == TRIMMED)).sum()),
+                dropped=int((mine & kept_record & (fate == DROPPED)).sum()),
+                refused=int((mine & ~kept_record).sum()),
+            )
         )
-        entry.segments += 1
-        if not enc.usable:
-            entry.refused += 1
-        elif i in report.dropped_segments:
-            entry.dropped += 1
-        elif i in report.trimmed_segments:
-            entry.trimmed += 1
-        else:
-            entry.kept += 1
-        survival[key] = entry
+    return out
 
 
-def _stats(values: Sequence[int]) -> LengthStats:
-    if not values:
+def _stats(a: np.ndarray) -> LengthStats:
+    if not len(a):
         return LengthStats(count=0, min=0, mean=0.0, p50=0, p90=0, p99=0, max=0)
-    a = np.asarray(values)
     p50, p90, p99 = (int(np.percentile(a, q, method="higher")) for q in (50, 90, 99))
     return LengthStats(
         count=len(a),
@@ -174,30 +222,35 @@ def _stats(values: Sequence[int]) -> LengthStats:
     )
 
 
-def _lengths(encoded: Sequence[Encoded]) -> dict[str, LengthStats]:
+def _lengths(rows: np.ndarray) -> dict[str, LengthStats]:
     return {
-        "source": _stats([e.report.source_tokens for e in encoded]),
-        "target": _stats([e.report.target_tokens for e in encoded]),
-        "total": _stats([e.report.total_tokens for e in encoded]),
+        name: _stats(np.asarray(rows[f"{name}_tokens"])) for name in ("source", "target", "total")
     }
 
 
-def _write_lines(path: Path, lines: Sequence[str]) -> None:
-    """Write `lines` to `path` atomically (a temporary file in the same folder, renamed);
-    zstd-compressed when the name ends in .zst, as the readers expect."""
+def _write_lines(path: Path, lines: Iterable[str]) -> int:
+    """Write `lines` to `path` atomically (a temporary file in the same folder, renamed),
+    streaming; zstd-compressed when the name ends in .zst, as the readers expect. Returns the
+    number of lines written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    if path.name.endswith(".zst"):
-        import zstandard
-
-        data = zstandard.ZstdCompressor(level=19).compress(data)
+    written = 0
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            with contextlib.ExitStack() as stack:
+                out: BinaryIO = f
+                if path.name.endswith(".zst"):
+                    import zstandard
+
+                    writer = zstandard.ZstdCompressor(level=19).stream_writer(f, closefd=False)
+                    out = stack.enter_context(writer)
+                for line in lines:
+                    out.write(line.encode("utf-8") + b"\n")
+                    written += 1
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return written

@@ -84,17 +84,24 @@ def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -
     # does not need.
     if kind == "inspection":
         from worker.inspect import inspect_file
+        from worker.model import load_tokenizer
+        from worker.store import Stores, store_root
 
-        return inspect_file(InspectRequest.model_validate(request))
+        inspect = InspectRequest.model_validate(request)
+        stores = Stores(store_root(settings.artifact_root), load_tokenizer(inspect.tokenizer))
+        return inspect_file(inspect, stores=stores)
     import torch
 
     from worker.evaluate import evaluate_checkpoint
     from worker.model import select_device
+    from worker.store import store_root
 
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
     return evaluate_checkpoint(
-        EvaluateRequest.model_validate(request), device=select_device(settings.device)
+        EvaluateRequest.model_validate(request),
+        device=select_device(settings.device),
+        store_root=store_root(settings.artifact_root),
     )
 
 

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Literal
 
-from contracts.reports import Heartbeat
+from contracts.reports import Heartbeat, Preparing
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class LeaseKeeper:
         self._beat_lock = threading.Lock()  # one heartbeat in flight at a time
         self._step = step
         self._progress = 0
+        self._preparing: Preparing | None = None
         self._order: Action = "continue"
         self._reachable = True  # whether the last heartbeat got an answer
         self._done = threading.Event()
@@ -92,11 +93,20 @@ class LeaseKeeper:
             return self._progress
 
     def advance(self, step: int | None = None) -> None:
-        """The loop did a unit of work (at `step`, the last global step done, when given)."""
+        """The loop did a unit of work (at `step`, the last global step done, when given).
+        A step ends any preparation."""
         with self._lock:
             self._progress += 1
             if step is not None:
                 self._step = step
+                self._preparing = None
+
+    def preparing(self, file: str, fraction: float) -> None:
+        """`file` is being tokenized into its store, `fraction` of it read so far (1.0: done;
+        the next heartbeats stop saying so)."""
+        with self._lock:
+            self._progress += 1
+            self._preparing = None if fraction >= 1.0 else Preparing(file=file, fraction=fraction)
 
     def beat(self) -> Action:
         """One heartbeat now; returns the service's order (the previous one when the service
@@ -104,7 +114,10 @@ class LeaseKeeper:
         with self._beat_lock:
             with self._lock:
                 report = Heartbeat(
-                    fencing_token=self._token, step=self._step, progress=self._progress
+                    fencing_token=self._token,
+                    step=self._step,
+                    progress=self._progress,
+                    preparing=self._preparing,
                 )
             try:
                 answer = self._client.heartbeat(self._attempt_id, report)

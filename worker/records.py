@@ -70,23 +70,37 @@ def is_jsonl(path: str) -> bool:
     return path.removesuffix(".zst").endswith(_JSON_SUFFIXES)
 
 
-def _open_text(path: str) -> io.TextIOBase:
-    if path.endswith(".zst"):
-        import zstandard
+def _open_text(path: str) -> tuple[io.TextIOBase, io.FileIO]:
+    """The file as text (decompressed when it ends in .zst), and the raw file under it, whose
+    position says how much of the file has been read."""
+    raw = io.FileIO(path, "r")
+    try:
+        if path.endswith(".zst"):
+            import zstandard
 
-        raw = open(path, "rb")  # noqa: SIM115 - closed with the wrapper
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.TextIOWrapper(reader, encoding="utf-8")
-    return open(path, encoding="utf-8")
+            reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+            return io.TextIOWrapper(reader, encoding="utf-8"), raw
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8"), raw
+    except BaseException:
+        raw.close()
+        raise
 
 
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
     """(1-based line number, line) of every non-blank line; `.zst` files decompressed."""
+    for number, line, _ in read_lines_at(path):
+        yield number, line
+
+
+def read_lines_at(path: str) -> Iterator[tuple[int, str, int]]:
+    """`read_lines` with, for each line, the bytes of the file read so far (of the compressed
+    file for .zst; read ahead in blocks, so a measure of progress, not of the line)."""
     try:
-        with _open_text(path) as f:
-            for number, line in enumerate(f, start=1):
+        stream, raw = _open_text(path)
+        with stream:
+            for number, line in enumerate(stream, start=1):
                 if line.strip():
-                    yield number, line.rstrip("\n")
+                    yield number, line.rstrip("\n"), raw.tell()
     except FileNotFoundError as err:
         raise DataError(f"{path}: file not found") from err
     except UnicodeDecodeError as err:
@@ -100,13 +114,18 @@ def read_lines(path: str) -> Iterator[tuple[int, str]]:
 
 
 def read_records(path: str) -> list[Record]:
-    """Every record of a file, in order."""
-    if not is_jsonl(path):
-        return [
-            Record(path=path, line=n, kind="text", raw=line, text=line)
-            for n, line in read_lines(path)
-        ]
-    return [parse_record(path, n, line) for n, line in read_lines(path)]
+    """Every record of a file, in order (small files: tests, evaluation sets)."""
+    return [record for record, _ in iter_records(path)]
+
+
+def iter_records(path: str) -> Iterator[tuple[Record, int]]:
+    """Every record of a file, in order, streaming, each with the bytes read so far."""
+    jsonl = is_jsonl(path)
+    for n, line, at in read_lines_at(path):
+        if jsonl:
+            yield parse_record(path, n, line), at
+        else:
+            yield Record(path=path, line=n, kind="text", raw=line, text=line), at
 
 
 def parse_record(path: str, line: int, raw: str) -> Record:

@@ -68,6 +68,10 @@ class Reporter(Protocol):
         """A unit of work that reports nothing else was done (preparation, an eval set): the
         lease keeper's next heartbeat says the worker is not hung."""
 
+    def preparing(self, file: str, fraction: float) -> None:
+        """`file` is being tokenized into its store, `fraction` of it read (1.0: done); the
+        run shows it until the first step."""
+
 
 class ServiceReporter:
     """Posts to the service in order, batching metric points (sent at least every
@@ -129,6 +133,9 @@ class ServiceReporter:
 
     def progress(self) -> None:
         self.lease.advance()
+
+    def preparing(self, file: str, fraction: float) -> None:
+        self.lease.preparing(file, fraction)
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         if self._stopped:

@@ -26,6 +26,7 @@ from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.model import select_device
 from worker.reporter import ServiceReporter, drain_spools
 from worker.settings import WorkerSettings
+from worker.store import artifact_root, cached_sha256, store_root
 from worker.trainer import PhaseOutcome, train_phase
 
 log = logging.getLogger(__name__)
@@ -212,6 +213,7 @@ def verify_inputs(
     read are not hashed (other phases' data; the initial checkpoint once a run checkpoint
     supplies the weights), so a resume never depends on files it no longer needs."""
     digests = claim.digests
+    root = store_root(artifact_root(claim))
     phase = workflow.phases[claim.phase_index]
     reads = [s.path for s in phase.data] + [e.data for e in workflow.evals]
     checks: list[tuple[str, str, str | None]] = [
@@ -227,7 +229,13 @@ def verify_inputs(
             progress()  # each file hashed is progress: a stall is judged by it
         if not Path(path).exists():
             raise TrainingError(f"{kind} {path} not found on host {socket.gethostname()}")
-        actual = sha256_path(path, progress)  # and each MiB of it
+        # And each MiB of it. A file's digest is cached with its size and modification time:
+        # a phase start on a corpus hashed before costs a stat, not a read of the corpus.
+        actual = (
+            cached_sha256(path, root, progress)
+            if Path(path).is_file()
+            else sha256_path(path, progress)
+        )
         if actual != expected:
             raise SignatureMismatch(
                 f"{kind} {path} has SHA-256 {actual}, but the run's signature was computed "

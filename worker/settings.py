@@ -22,6 +22,10 @@ class WorkerSettings(BaseSettings):
     home: Path = Path("~/.trainctl")
     # Empty means the embedded broker: `filesystem://<home>/broker`.
     broker_url: str = ""
+    # The artifact store the service hands out (TRAINCTL_ARTIFACT_ROOT, as the service reads
+    # it; default <home>/artifacts). Jobs keep their token stores under it; an attempt takes
+    # the root from its claim.
+    artifact_root: Path = Path()
     queue: str = DEFAULT_QUEUE
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # None leaves torch's default (one thread per core).
@@ -76,7 +80,7 @@ class WorkerSettings(BaseSettings):
             )
         return self
 
-    @field_validator("home")
+    @field_validator("home", "artifact_root")
     @classmethod
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
@@ -88,9 +92,11 @@ class WorkerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _default_broker(self) -> WorkerSettings:
+        # frozen: the validator is the one place the defaults are derived from `home`.
         if not self.broker_url:
-            # frozen: the validator is the one place the default is derived from `home`.
             object.__setattr__(self, "broker_url", f"filesystem://{self.home / 'broker'}")
+        if self.artifact_root == Path():
+            object.__setattr__(self, "artifact_root", self.home / "artifacts")
         return self
 
 

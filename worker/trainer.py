@@ -43,6 +43,7 @@ from worker.optim import Optimizers, build_optimizers
 from worker.reporter import Reporter
 from worker.rng import PrivateRandom
 from worker.schedule import lr_multiplier
+from worker.store import Stores, artifact_root, store_root
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +238,22 @@ def train_phase(
     # records encoded, MiB hashed or stage done is progress.
     configure_determinism(device)
     tokenizer = load_tokenizer(workflow.tokenizer)
-    data = load_phase_data(phase, tokenizer, reporter.progress)
+    # Token stores are shared by every attempt, phase and run on the artifact store: a phase
+    # whose files were tokenized before (by any run, or `trainctl data prepare`) maps them.
+    stores = Stores(
+        store_root(artifact_root(claim)),
+        tokenizer,
+        digests=claim.digests.data,  # verified against the files before this phase started
+        progress=reporter.progress,
+        fraction=reporter.preparing,
+    )
+    data = load_phase_data(phase, tokenizer, reporter.progress, stores=stores)
     # Eval files are read once per phase, at one geometry per task for the whole run, and
     # before the first step: a bad eval file fails the phase now, not after hours of training.
     eval_data = [
-        load_eval_data(tokenizer, spec, sequence_length=workflow.eval_sequence_length(spec))
+        load_eval_data(
+            tokenizer, spec, sequence_length=workflow.eval_sequence_length(spec), stores=stores
+        )
         for spec in workflow.evals
     ]
     source_names = data.names()

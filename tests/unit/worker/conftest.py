@@ -216,7 +216,7 @@ def make_claim(tmp_path: Path) -> Callable[..., Claim]:
             initial_checkpoint=initial_checkpoint,
             phase_index=phase_index,
             resume_from=resume_from,
-            artifact_dir=str(artifact_dir or tmp_path / "run"),
+            artifact_dir=str(artifact_dir or tmp_path / "artifacts" / "runs" / "run"),
             encoder_version=ENCODER_VERSION,
         )
 
@@ -248,6 +248,7 @@ class RecordingReporter:
         # Units of work that report nothing else (preparation stages, eval sets): what the
         # lease keeper's heartbeats show the service to judge a stall.
         self.progress_calls = 0
+        self.prepared: list[tuple[str, float]] = []  # (file, fraction) as stores were built
         self.checks: list[tuple[int, bool]] = []  # (step, now): now is a fencing check
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
@@ -268,6 +269,9 @@ class RecordingReporter:
 
     def progress(self) -> None:
         self.progress_calls += 1
+
+    def preparing(self, file: str, fraction: float) -> None:
+        self.prepared.append((file, fraction))
 
     def check(self, step: int, *, now: bool = False) -> Action:
         self.checks.append((step, now))

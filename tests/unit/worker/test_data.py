@@ -18,7 +18,6 @@ from transformers import PreTrainedModel
 
 from contracts.workflow import Phase
 from worker.data import (
-    ENCODE_BATCH,
     IGNORE_INDEX,
     Batch,
     PhaseData,
@@ -34,6 +33,7 @@ from worker.error import DataError
 from worker.model import EOS_TOKEN, special_token_ids
 from worker.objective import objective_loss
 from worker.records import parse_record, read_records
+from worker.store import ENCODE_BATCH
 
 ENVELOPE = 128  # sequence_length x microbatch_size of every source below
 
@@ -574,16 +574,21 @@ def test_a_supervised_source_holds_its_records_as_the_one_encoder_encodes_them(
     (source,) = data.sources
     assert isinstance(source, RecordSource)
     expected = encode_records(tokenizer, read_records(str(path)), sequence_length=32)
-    assert [e.ids.tolist() for e in source.records] == [e.ids.tolist() for e in expected]
+    stored = [source.record(i) for i in range(len(expected))]
+    assert len(source.store) == len(expected)
+    assert [e.ids.tolist() for e in stored] == [e.ids.tolist() for e in expected]
+    assert [e.loss_mask.tolist() for e in stored] == [e.loss_mask.tolist() for e in expected]
+    assert source.sizes.tolist() == [len(e.ids) - 1 for e in expected]
     assert data.reports == []  # no inspection gate, no report
-    assert tokenizer.token_to_id(EOS_TOKEN) == int(source.records[0].ids[-1])
+    assert tokenizer.token_to_id(EOS_TOKEN) == int(stored[0].ids[-1])
 
 
 def test_reading_and_encoding_a_corpus_is_progress_per_file_and_per_batch_of_records(
     tmp_path: Path, tokenizer: Tokenizer
 ) -> None:
-    """Encoding a large corpus takes minutes: each file read and each ENCODE_BATCH records
-    encoded tell the lease keeper the worker is not hung."""
+    """Encoding a large corpus into its store takes minutes: each MiB hashed, each
+    ENCODE_BATCH records encoded and each store opened tell the lease keeper the worker is not
+    hung."""
     text = write_lines(tmp_path / "text.txt", ["the cat sat on the mat"] * (2 * ENCODE_BATCH + 1))
     calls: list[int] = []
     data = load_phase_data(
@@ -591,7 +596,8 @@ def test_reading_and_encoding_a_corpus_is_progress_per_file_and_per_batch_of_rec
         tokenizer,
         progress=lambda: calls.append(1),
     )
-    assert len(calls) == 1 + 3  # the file read, then three batches of records encoded
+    # One MiB hashed, three batches of records encoded, the store opened.
+    assert len(calls) == 1 + 3 + 1
     # Encoded in batches, the same tokens as in one.
     (source,) = data.sources
     assert isinstance(source, TextSource)

@@ -248,12 +248,14 @@ def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
     assert [c.phase_step for c in reporter.checkpoints] == [2, 5, 7]
     # Phase 1's evals: at its last step only (no baseline outside the first phase).
     assert [(r.step, r.phase) for r in reporter.eval_results] == [(11, "sft")]
-    # Work that reports nothing else still moves the progress a stall is judged by: each of
-    # the two sources read and encoded (one batch of records each), each MiB of phase 0's final
-    # checkpoint verified, the eval sets read, and the one eval set at step 11.
+    # Work that reports nothing else still moves the progress a stall is judged by: the sft
+    # source encoded into its token store (one batch of records) and opened; the replay source
+    # opened only (its text is phase 0's, whose store it shares); each MiB of phase 0's final
+    # checkpoint verified; the eval sets read (phase 0 built their store); the one eval set at
+    # step 11.
     manifest = json.loads((Path(first.checkpoint.path) / MANIFEST).read_text())
     hashed = sum(math.ceil(f["size"] / 2**20) for f in manifest["files"].values())
-    assert reporter.progress_calls == 2 * 2 + hashed + 1 + 1
+    assert reporter.progress_calls == 2 + 1 + hashed + 1 + 1
     base_lr = workflow.optimizer.adamw_lr * 0.5
     assert reporter.metrics_by_step[5]["lr"] == pytest.approx(
         base_lr * lr_multiplier(1, total_steps=7, schedule=workflow.phases[1].schedule)

@@ -1,0 +1,217 @@
+"""The token store: built once per (file, tokenizer, encoder, fit), published atomically,
+verified on open, shared by every reader, and holding exactly what the encoder makes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from contracts.signature import sha256_file
+from tests.unit.worker.test_inspect import MIXED, SEQ
+from worker import store as store_module
+from worker.encode import encode_records
+from worker.error import DataError
+from worker.inspect import summarize, summarize_store
+from worker.model import EOS_TOKEN
+from worker.records import read_records
+from worker.store import (
+    KINDS,
+    META,
+    StoreKey,
+    Stores,
+    TokenFile,
+    cached_sha256,
+    ensure_store,
+    id_dtype,
+    open_store,
+)
+
+
+def key_for(path: Path, tokenizer: Tokenizer, fit: int | None) -> StoreKey:
+    return StoreKey(
+        file_sha256=sha256_file(path),
+        tokenizer_sha256=Stores(Path(), tokenizer).tokenizer_sha256,
+        fit=fit,
+    )
+
+
+def build(
+    path: Path, tokenizer: Tokenizer, root: Path, fit: int | None = SEQ, **kw: Any
+) -> TokenFile:
+    return ensure_store(str(path), tokenizer, key_for(path, tokenizer, fit), root, **kw)
+
+
+@pytest.fixture
+def mixed(tmp_path: Path, make_jsonl: Callable[..., Path]) -> Path:
+    return make_jsonl(tmp_path / "mixed.jsonl", MIXED)
+
+
+def test_a_store_holds_every_record_as_the_encoder_makes_it(
+    mixed: Path, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    store = build(mixed, tokenizer, tmp_path / "tokens")
+    expected = encode_records(tokenizer, read_records(str(mixed)), sequence_length=SEQ)
+
+    assert len(store) == len(expected) == len(MIXED)
+    assert store.ids.dtype == np.dtype("<u2") == id_dtype(tokenizer)  # a 300-token vocabulary
+    for i, enc in enumerate(expected):
+        ids, mask = store.record(i)
+        assert ids.tolist() == enc.ids.tolist(), i
+        assert mask.tolist() == enc.loss_mask.tolist(), i
+        row = store.records[i]
+        report = enc.report
+        assert (int(row["line"]), KINDS[row["kind"]]) == (i + 1, read_records(str(mixed))[i].kind)
+        assert (bool(row["fits"]), bool(row["zero_target"])) == (report.fits, report.zero_target)
+        assert (int(row["source_tokens"]), int(row["target_tokens"]), int(row["total_tokens"])) == (
+            report.source_tokens,
+            report.target_tokens,
+            report.total_tokens,
+        )
+        assert int(row["segments_dropped"]) == len(report.dropped_segments)
+    # Lines 1 and 2 are the same record spelled differently: equal content keys.
+    assert store.records["key"][0] == store.records["key"][1] != store.records["key"][2]
+    # What inspection makes of the store is what it makes of the encoded records.
+    in_memory = summarize(
+        read_records(str(mixed)), expected, objective="qa_reasoning", sequence_length=SEQ
+    )
+    from_store = summarize_store(store, objective="qa_reasoning", sequence_length=SEQ)
+    assert from_store == in_memory
+
+
+def test_a_text_store_is_the_eos_joined_stream(
+    make_text_file: Callable[..., Path], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    path = make_text_file(documents=30)
+    store = build(path, tokenizer, tmp_path / "tokens", fit=None)
+    encoded = encode_records(tokenizer, read_records(str(path)), sequence_length=None)
+    assert store.ids.tolist() == np.concatenate([e.ids for e in encoded]).tolist()
+    assert store.tokens == len(store.ids)
+    assert int(store.ids[store.offsets[1] - 1]) == tokenizer.token_to_id(EOS_TOKEN)
+
+
+def test_a_store_is_built_once_and_shared_by_fit_and_content(
+    mixed: Path, tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds: list[str] = []
+    real = store_module._build
+    monkeypatch.setattr(
+        store_module, "_build", lambda path, *a, **kw: (builds.append(path), real(path, *a, **kw))
+    )
+    root = tmp_path / "tokens"
+    first = build(mixed, tokenizer, root)
+    again = build(mixed, tokenizer, root)
+    assert builds == [str(mixed)] and again.path == first.path
+
+    # Another fit is another store; a copy of the file (same content) shares the first.
+    other_fit = build(mixed, tokenizer, root, fit=SEQ * 2)
+    copy = tmp_path / "elsewhere" / "copy.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(mixed.read_bytes())
+    assert build(copy, tokenizer, root).path == first.path
+    assert other_fit.path != first.path and len(builds) == 2
+
+
+def test_two_builders_of_one_store_build_it_once(
+    mixed: Path, tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds: list[int] = []
+    real = store_module._build
+
+    def slow(*a: Any, **kw: Any) -> None:
+        builds.append(1)
+        time.sleep(0.5)  # the other builder arrives meanwhile and waits on the lock
+        real(*a, **kw)
+
+    monkeypatch.setattr(store_module, "_build", slow)
+    root, opened = tmp_path / "tokens", []
+    waited: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda: opened.append(
+                build(mixed, tokenizer, root, progress=lambda: waited.append(1))
+            )
+        )
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1
+    assert len(opened) == 2 and opened[0].path == opened[1].path
+    assert waited, "the builder that waited said it was not hung"
+
+
+def test_a_failed_build_leaves_nothing_that_looks_complete(
+    tmp_path: Path, tokenizer: Tokenizer, make_jsonl: Callable[..., Path]
+) -> None:
+    rows = [{"source": "a", "target": " b"}] * 5000  # more than one batch before the bad line
+    path = make_jsonl(tmp_path / "bad.jsonl", rows)
+    with path.open("a") as f:
+        f.write("{not json\n")
+    root = tmp_path / "tokens"
+    with pytest.raises(DataError, match=r"bad\.jsonl:5001: not valid JSON"):
+        build(path, tokenizer, root)
+    assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_builder_killed_mid_build_is_cleaned_up_by_the_next(
+    mixed: Path, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    root = tmp_path / "tokens"
+    key = key_for(mixed, tokenizer, SEQ)
+    leftover = root / f".tmp-{key.name}-999-deadbeef"  # what a SIGKILL mid-build leaves
+    leftover.mkdir(parents=True)
+    (leftover / "ids.bin").write_bytes(b"\0" * 10)
+    store = build(mixed, tokenizer, root)
+    assert not leftover.exists()
+    assert store.path == root / key.name and len(store) == len(MIXED)
+
+
+def test_a_damaged_store_is_refused_on_open_and_rebuilt(
+    mixed: Path, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    root = tmp_path / "tokens"
+    store = build(mixed, tokenizer, root)
+    key = key_for(mixed, tokenizer, SEQ)
+    ids = store.path / "ids.bin"
+    ids.write_bytes(ids.read_bytes()[:-2])  # truncated
+    with pytest.raises(DataError, match=r"ids\.bin has"):
+        open_store(store.path, key)
+    with pytest.raises(DataError, match="was built for"):
+        open_store(store.path, StoreKey(key.file_sha256, key.tokenizer_sha256, fit=SEQ + 1))
+
+    rebuilt = build(mixed, tokenizer, root)
+    assert len(rebuilt) == len(MIXED)
+    assert [p.name.startswith(".broken-") for p in root.iterdir()].count(True) == 1
+    meta = json.loads((rebuilt.path / META).read_text())
+    assert meta["files"]["ids.bin"] == (rebuilt.path / "ids.bin").stat().st_size
+
+
+def test_a_files_digest_is_cached_while_its_stat_holds(tmp_path: Path) -> None:
+    path = tmp_path / "data.txt"
+    path.write_text("one\n")
+    reads: list[int] = []
+    digest = cached_sha256(path, tmp_path / "tokens", lambda: reads.append(1))
+    assert digest == sha256_file(path) and reads == [1]
+    assert cached_sha256(path, tmp_path / "tokens", lambda: reads.append(1)) == digest
+    assert reads == [1], "the second call read nothing"
+
+    path.write_text("two, longer\n")
+    assert cached_sha256(path, tmp_path / "tokens") == sha256_file(path) != digest
+
+
+def test_a_missing_file_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    stores = Stores(tmp_path / "tokens", tokenizer)
+    with pytest.raises(DataError, match=r"nowhere\.jsonl: file not found"):
+        stores.get(str(tmp_path / "nowhere.jsonl"), fit=None)
+    with pytest.raises(DataError, match="not a file"):
+        stores.get(str(tmp_path), fit=None)

@@ -1,0 +1,489 @@
+"""The token store: every data file is tokenized once, then memory-mapped by whoever reads it.
+
+A store holds one file's records as the one encoder (worker.encode) makes them, for one
+tokenizer, one version of the encoding rules and one fit: the sequence length supervised
+records are fitted to (elastic segments dropped or trimmed), or none for text and for
+measuring. Its name says all four (`StoreKey.name`), so every attempt, phase, run, inspection
+and evaluation on the same artifact store shares it. Under `<artifact_root>/tokens/<name>/`:
+
+- `ids.bin`: every record's token ids after fitting, back to back, in the smallest unsigned
+  dtype that holds the vocabulary (a text record is its text + EOS, so text files are one
+  EOS-joined stream, ready to cut into windows);
+- `offsets.bin`: int64, record i is ids[offsets[i]:offsets[i + 1]];
+- `mask.bin`: the loss mask of every id, one bit each (little bit order);
+- `records.bin`: per record, its line, kind, fit and the lengths of its encode report
+  (`RECORD_DTYPE`), and a 64-bit hash of its content for counting duplicates;
+- `segments.bin`: per segment of a segmented record, its role, elasticity and fate;
+- `meta.json`, written last: the key, counts, dtype, roles and every file's size.
+
+It is built streaming (ENCODE_BATCH records in memory at a time) into a temporary directory,
+fsynced and renamed into place, like a checkpoint: a directory without `meta.json` is never
+opened, and a crash mid-build leaves only a temporary directory that the next build removes.
+A lock file serialises builders of one store on a host (two workers wanting it do not both
+build it); across hosts the rename decides, and the loser opens the winner's store. Opening
+checks `meta.json` against the key and every file's size: cheap, whatever the store's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from contracts.reports import Claim
+from contracts.signature import sha256_file
+from contracts.workflow import ENCODER_VERSION
+from worker.encode import Encoded, encode_records
+from worker.error import DataError
+from worker.files import fsync_dir, fsync_file
+from worker.records import ELASTIC, Record, iter_records
+
+log = logging.getLogger(__name__)
+
+STORE_DIR = "tokens"
+FORMAT = 1  # of the files below; a store of another format is rebuilt, never misread
+META = "meta.json"
+_TMP_PREFIX = ".tmp-"
+# Records encoded per tokenizer call: the build's memory bound, and one unit of progress.
+ENCODE_BATCH = 4096
+
+KINDS: tuple[str, ...] = ("text", "pair", "chat", "segmented")
+RECORD_DTYPE = np.dtype(
+    [
+        ("line", "<i8"),
+        ("kind", "u1"),  # index into KINDS
+        ("fits", "?"),
+        ("zero_target", "?"),
+        ("source_tokens", "<i4"),
+        ("target_tokens", "<i4"),
+        ("total_tokens", "<i4"),  # as encoded, before fitting
+        ("tokens_trimmed", "<i4"),
+        ("segments_dropped", "<i4"),
+        ("segments_trimmed", "<i4"),
+        ("key", "<u8"),  # hash of the record's content: equal records, equal keys
+    ]
+)
+# A segment's fate when its record was fitted.
+KEPT, TRIMMED, DROPPED = 0, 1, 2
+SEGMENT_DTYPE = np.dtype(
+    [
+        ("record", "<i8"),
+        ("role", "<i4"),  # index into the store's roles
+        ("elastic", "i1"),  # 0: not elastic, else 1 + index into records.ELASTIC
+        ("fate", "i1"),
+    ]
+)
+_FILES = {
+    "ids.bin": None,  # dtype in meta
+    "offsets.bin": np.dtype("<i8"),
+    "mask.bin": np.dtype("u1"),
+    "records.bin": RECORD_DTYPE,
+    "segments.bin": SEGMENT_DTYPE,
+}
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    """What a store's content is a function of."""
+
+    file_sha256: str
+    tokenizer_sha256: str
+    fit: int | None  # the sequence length records are fitted to; None: never fitted
+    encoder_version: int = ENCODER_VERSION
+
+    @property
+    def name(self) -> str:
+        fit = "raw" if self.fit is None else f"fit{self.fit}"
+        return f"{self.file_sha256[:32]}-{self.tokenizer_sha256[:16]}-e{self.encoder_version}-{fit}"
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "file_sha256": self.file_sha256,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "encoder_version": self.encoder_version,
+            "fit": self.fit,
+        }
+
+
+def store_root(root: str | Path) -> Path:
+    """Where the token stores of the artifact store at `root` live."""
+    return Path(root) / STORE_DIR
+
+
+def artifact_root(claim: Claim) -> Path:
+    """The artifact store a claim's run lives in: its `artifact_dir` is `<root>/runs/<run>`."""
+    return Path(claim.artifact_dir).parents[1]
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def _map(path: Path, dtype: np.dtype[Any]) -> np.ndarray:
+    """A read-only memory map of `path` (an empty array for an empty file: mmap refuses
+    those)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class TokenFile:
+    """An opened store: arrays mapped from disk, read only where a caller indexes them."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.meta = meta
+        self.source = str(meta["path"])  # the data file it was built from, for messages
+        self.ids = _map(path / "ids.bin", np.dtype(meta["dtype"]))
+        self.offsets = _map(path / "offsets.bin", np.dtype("<i8"))
+        self._mask = _map(path / "mask.bin", np.dtype("u1"))
+        self.records = _map(path / "records.bin", RECORD_DTYPE)
+        self.segments = _map(path / "segments.bin", SEGMENT_DTYPE)
+        self.roles: list[str] = list(meta["roles"])
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.meta["tokens"])
+
+    def lengths(self) -> np.ndarray:
+        """Ids per record (after fitting), int64."""
+        return np.diff(self.offsets)
+
+    def record(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids as int64, loss mask as bool) of record i, read from the maps."""
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return np.asarray(self.ids[start:end], dtype=np.int64), self.mask(start, end)
+
+    def mask(self, start: int, end: int) -> np.ndarray:
+        """The loss mask of ids[start:end]."""
+        if end <= start:
+            return np.zeros(0, bool)
+        bits = np.unpackbits(self._mask[start // 8 : (end + 7) // 8], bitorder="little")
+        offset = start % 8
+        return bits[offset : offset + end - start].astype(bool)
+
+    def kinds(self) -> np.ndarray:
+        return np.asarray(self.records["kind"])
+
+
+def open_store(directory: Path, key: StoreKey) -> TokenFile:
+    """The store at `directory` if it is complete and built for `key`; DataError otherwise."""
+    try:
+        meta = json.loads((directory / META).read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"token store {directory}: no readable {META} ({err})") from err
+    if meta.get("identity") != key.identity():
+        raise DataError(
+            f"token store {directory} was built for {meta.get('identity')}, not {key.identity()}"
+        )
+    for name, size in meta["files"].items():
+        actual = (directory / name).stat().st_size if (directory / name).exists() else None
+        if actual != size:
+            raise DataError(f"token store {directory}: {name} has {actual} bytes, not {size}")
+    return TokenFile(directory, meta)
+
+
+def ensure_store(
+    path: str,
+    tokenizer: Tokenizer,
+    key: StoreKey,
+    root: Path,
+    *,
+    progress: Callable[[], None] | None = None,
+    fraction: Callable[[float], None] | None = None,
+) -> TokenFile:
+    """The store of `path` under `root`, built first if it is missing. `progress` is called as
+    the build (or the wait for another builder) goes on; `fraction` with the share of the file
+    read so far."""
+    final = root / key.name
+    if (final / META).exists():
+        with contextlib.suppress(DataError):
+            return open_store(final, key)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{key.name}.lock", progress):
+        if (final / META).exists():  # another builder finished while this one waited
+            try:
+                return open_store(final, key)
+            except DataError as err:
+                log.warning("%s; moving it aside and building it again", err)
+                final.rename(root / f".broken-{key.name}-{uuid.uuid4().hex[:8]}")
+        _remove_temporaries(root, key)
+        started = time.perf_counter()
+        tmp = root / f"{_TMP_PREFIX}{key.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            _build(path, tokenizer, key, tmp, progress=progress, fraction=fraction)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a bad record, say; a SIGKILL leaves it
+            raise
+        try:
+            os.rename(tmp, final)
+        except OSError as err:
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            shutil.rmtree(tmp)  # another host published it first: use theirs
+        fsync_dir(root)
+        store = open_store(final, key)
+        log.info(
+            "built token store %s for %s: %d records, %d tokens in %.1f s",
+            final,
+            path,
+            len(store),
+            store.tokens,
+            time.perf_counter() - started,
+        )
+        return store
+
+
+@contextlib.contextmanager
+def _locked(lock: Path, progress: Callable[[], None] | None) -> Iterator[None]:
+    """Hold an exclusive lock on `lock`, calling `progress` while waiting for it."""
+    with open(lock, "a") as f:
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if progress is not None:
+                    progress()  # waiting on a builder that makes progress of its own
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_temporaries(root: Path, key: StoreKey) -> None:
+    """Half-built stores of `key`: left by a builder that died (the lock is ours now)."""
+    for leftover in root.glob(f"{_TMP_PREFIX}{key.name}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+# --- building -------------------------------------------------------------------------------
+
+
+def id_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
+    """The smallest unsigned dtype that holds every id of the tokenizer."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return np.dtype("<u2") if size <= 2**16 else np.dtype("<u4")
+
+
+def record_key(record: Record) -> int:
+    digest = hashlib.blake2b(repr(record.key()).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Columns:
+    """The per-record and per-segment rows of encoded records, as the store keeps them."""
+
+    def __init__(self) -> None:
+        self.roles: dict[str, int] = {}
+
+    def rows(
+        self, records: Sequence[Record], encoded: Sequence[Encoded], first: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        out = np.zeros(len(records), RECORD_DTYPE)
+        segments = []
+        for i, (record, enc) in enumerate(zip(records, encoded, strict=True)):
+            report = enc.report
+            out[i] = (
+                record.line,
+                KINDS.index(record.kind),
+                report.fits,
+                report.zero_target,
+                report.source_tokens,
+                report.target_tokens,
+                report.total_tokens,
+                report.tokens_trimmed,
+                len(report.dropped_segments),
+                len(report.trimmed_segments),
+                record_key(record),
+            )
+            for s, segment in enumerate(record.segments):
+                role = self.roles.setdefault(segment.role, len(self.roles))
+                elastic = 0 if segment.elastic is None else 1 + ELASTIC.index(segment.elastic)
+                fate = (
+                    DROPPED
+                    if s in report.dropped_segments
+                    else TRIMMED
+                    if s in report.trimmed_segments
+                    else KEPT
+                )
+                segments.append((first + i, role, elastic, fate))
+        return out, np.array(segments, SEGMENT_DTYPE)
+
+
+def _build(
+    path: str,
+    tokenizer: Tokenizer,
+    key: StoreKey,
+    tmp: Path,
+    *,
+    progress: Callable[[], None] | None,
+    fraction: Callable[[float], None] | None,
+) -> None:
+    """Write the complete store of `path` into the fresh directory `tmp`."""
+    tmp.mkdir()
+    dtype = id_dtype(tokenizer)
+    size = max(os.path.getsize(path), 1)
+    columns = Columns()
+    count = tokens = 0
+    pending = np.zeros(0, bool)  # mask bits not yet a whole byte
+    files: dict[str, IO[bytes]] = {name: open(tmp / name, "wb") for name in _FILES}  # noqa: SIM115
+    try:
+        files["offsets.bin"].write(np.zeros(1, "<i8").tobytes())
+        for batch, at in _batches(path):
+            encoded = encode_records(tokenizer, batch, sequence_length=key.fit)
+            lengths = np.fromiter((len(e.ids) for e in encoded), np.int64, len(encoded))
+            ids = np.concatenate([e.ids for e in encoded]) if encoded else np.zeros(0, np.int32)
+            files["ids.bin"].write(ids.astype(dtype).tobytes())
+            files["offsets.bin"].write((tokens + np.cumsum(lengths)).astype("<i8").tobytes())
+            masks = np.concatenate([pending, *(e.loss_mask for e in encoded)])
+            whole = len(masks) // 8 * 8
+            files["mask.bin"].write(np.packbits(masks[:whole], bitorder="little").tobytes())
+            pending = masks[whole:]
+            rows, segments = columns.rows(batch, encoded, count)
+            files["records.bin"].write(rows.tobytes())
+            files["segments.bin"].write(segments.tobytes())
+            count += len(batch)
+            tokens += int(lengths.sum())
+            if progress is not None:
+                progress()
+            if fraction is not None:
+                fraction(min(at / size, 1.0))
+        files["mask.bin"].write(np.packbits(pending, bitorder="little").tobytes())
+        if fraction is not None:
+            fraction(1.0)
+    finally:
+        for f in files.values():
+            f.close()
+    for name in _FILES:
+        fsync_file(tmp / name)
+    meta = {
+        "identity": key.identity(),
+        "path": path,
+        "dtype": dtype.str,
+        "records": count,
+        "tokens": tokens,
+        "roles": list(columns.roles),
+        "files": {name: (tmp / name).stat().st_size for name in _FILES},
+    }
+    # Written last: a directory with a meta.json is complete.
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    fsync_file(tmp / META)
+    fsync_dir(tmp)
+
+
+def _batches(path: str) -> Iterator[tuple[list[Record], int]]:
+    """ENCODE_BATCH records at a time, each with the bytes of the file read so far."""
+    batch: list[Record] = []
+    position = 0
+    for record, position in iter_records(path):
+        batch.append(record)
+        if len(batch) == ENCODE_BATCH:
+            yield batch, position
+            batch = []
+    if batch:
+        yield batch, position
+
+
+# --- access ---------------------------------------------------------------------------------
+
+
+class Stores:
+    """The token stores under `root` for one tokenizer: `get(path, fit)` opens a file's store,
+    building it first where it is missing. A file's SHA-256 comes from `digests` when the
+    caller knows it (a claim's, verified before training) and from `cached_sha256`
+    otherwise. `fraction(path, share)` hears how far a build has read its file."""
+
+    def __init__(
+        self,
+        root: Path,
+        tokenizer: Tokenizer,
+        *,
+        digests: Mapping[str, str] | None = None,
+        progress: Callable[[], None] | None = None,
+        fraction: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.root = root
+        self.tokenizer = tokenizer
+        # The tokenizer as loaded, whatever file or directory it came from: training and a
+        # job that reads the tokenizer a checkpoint saved share stores.
+        self.tokenizer_sha256 = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+        self._digests = dict(digests or {})
+        self._progress = progress
+        self._fraction = fraction
+
+    @classmethod
+    @contextlib.contextmanager
+    def temporary(
+        cls, tokenizer: Tokenizer, *, progress: Callable[[], None] | None = None
+    ) -> Iterator[Stores]:
+        """Stores in a private directory removed when the block ends. What was opened stays
+        readable after that: a memory map outlives its file's name."""
+        with tempfile.TemporaryDirectory(prefix="trainctl-tokens-") as root:
+            yield cls(Path(root), tokenizer, progress=progress)
+
+    def key(self, path: str, fit: int | None) -> StoreKey:
+        sha = self._digests.get(path)
+        if sha is None:
+            sha = cached_sha256(path, self.root, self._progress)
+            self._digests[path] = sha
+        return StoreKey(file_sha256=sha, tokenizer_sha256=self.tokenizer_sha256, fit=fit)
+
+    def get(self, path: str, fit: int | None) -> TokenFile:
+        if not Path(path).is_file():
+            raise DataError(
+                f"{path}: file not found" if not Path(path).exists() else f"{path}: not a file"
+            )
+        fraction = self._fraction
+        return ensure_store(
+            path,
+            self.tokenizer,
+            self.key(path, fit),
+            self.root,
+            progress=self._progress,
+            fraction=None if fraction is None else (lambda share: fraction(path, share)),
+        )
+
+
+# --- digests --------------------------------------------------------------------------------
+
+
+def cached_sha256(path: str | Path, root: Path, progress: Callable[[], None] | None = None) -> str:
+    """The SHA-256 of the file at `path`, from a cache under `root` while the file's size,
+    modification time and inode are those it was hashed at (a stat is all a phase start then
+    costs: a 100 GB corpus is not hashed again at every attempt); hashed and cached otherwise.
+    Like make and git, it trusts a file that was rewritten in place with its old size and
+    modification time forced back."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    seen = [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev]
+    entry = root / "digests" / (hashlib.sha256(str(resolved).encode()).hexdigest() + ".json")
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        cached = json.loads(entry.read_text())
+        if cached["path"] == str(resolved) and cached["stat"] == seen:
+            return str(cached["sha256"])
+    digest = sha256_file(resolved, progress)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps({"path": str(resolved), "stat": seen, "sha256": digest}))
+    os.replace(tmp, entry)
+    return digest
