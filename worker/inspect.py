@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -60,11 +60,22 @@ def inspect_file(
             & records["fits"]
             & ~records["zero_target"]
         )
-        lines = set(np.asarray(records["line"][trainable]).tolist())
-        kept = (line for number, line in read_lines(request.path) if number in lines)
-        written = _write_lines(Path(write_fit), kept)
+        lines = np.asarray(records["line"][trainable])
+        written = _write_lines(Path(write_fit), _lines_numbered(request.path, lines))
         report = report.model_copy(update={"fit_path": str(write_fit), "fit_written": written})
     return report
+
+
+def _lines_numbered(path: str, numbers: np.ndarray) -> Iterator[str]:
+    """The lines of `path` whose numbers are in `numbers` (ascending), read streaming."""
+    at = 0
+    for number, line in read_lines(path):
+        while at < len(numbers) and numbers[at] < number:
+            at += 1
+        if at == len(numbers):
+            return
+        if numbers[at] == number:
+            yield line
 
 
 def summarize(

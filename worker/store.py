@@ -38,6 +38,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -59,8 +60,10 @@ STORE_DIR = "tokens"
 FORMAT = 1  # of the files below; a store of another format is rebuilt, never misread
 META = "meta.json"
 _TMP_PREFIX = ".tmp-"
-# Records encoded per tokenizer call: the build's memory bound, and one unit of progress.
+# Records encoded per tokenizer call, at most, and bytes of lines: the build's memory bound
+# (the tokenizer's encodings take ~100 bytes per token), and one unit of progress.
 ENCODE_BATCH = 4096
+ENCODE_BYTES = 2**20
 
 KINDS: tuple[str, ...] = ("text", "pair", "chat", "segmented")
 RECORD_DTYPE = np.dtype(
@@ -347,27 +350,40 @@ def _build(
     count = tokens = 0
     pending = np.zeros(0, bool)  # mask bits not yet a whole byte
     files: dict[str, IO[bytes]] = {name: open(tmp / name, "wb") for name in _FILES}  # noqa: SIM115
+
+    def write(batch: list[Record], encoded: list[Encoded]) -> None:
+        nonlocal count, tokens, pending
+        lengths = np.fromiter((len(e.ids) for e in encoded), np.int64, len(encoded))
+        ids = np.concatenate([e.ids for e in encoded])
+        files["ids.bin"].write(ids.astype(dtype).tobytes())
+        files["offsets.bin"].write((tokens + np.cumsum(lengths)).astype("<i8").tobytes())
+        masks = np.concatenate([pending, *(e.loss_mask for e in encoded)])
+        whole = len(masks) // 8 * 8
+        files["mask.bin"].write(np.packbits(masks[:whole], bitorder="little").tobytes())
+        pending = masks[whole:]
+        rows, segments = columns.rows(batch, encoded, count)
+        files["records.bin"].write(rows.tobytes())
+        files["segments.bin"].write(segments.tobytes())
+        count += len(batch)
+        tokens += int(lengths.sum())
+
+    # A pipeline of two: while the tokenizer (native code, off the GIL, on every core) encodes
+    # one batch, this thread reads and parses the next and writes the one before.
     try:
         files["offsets.bin"].write(np.zeros(1, "<i8").tobytes())
-        for batch, at in _batches(path):
-            encoded = encode_records(tokenizer, batch, sequence_length=key.fit)
-            lengths = np.fromiter((len(e.ids) for e in encoded), np.int64, len(encoded))
-            ids = np.concatenate([e.ids for e in encoded]) if encoded else np.zeros(0, np.int32)
-            files["ids.bin"].write(ids.astype(dtype).tobytes())
-            files["offsets.bin"].write((tokens + np.cumsum(lengths)).astype("<i8").tobytes())
-            masks = np.concatenate([pending, *(e.loss_mask for e in encoded)])
-            whole = len(masks) // 8 * 8
-            files["mask.bin"].write(np.packbits(masks[:whole], bitorder="little").tobytes())
-            pending = masks[whole:]
-            rows, segments = columns.rows(batch, encoded, count)
-            files["records.bin"].write(rows.tobytes())
-            files["segments.bin"].write(segments.tobytes())
-            count += len(batch)
-            tokens += int(lengths.sum())
-            if progress is not None:
-                progress()
-            if fraction is not None:
-                fraction(min(at / size, 1.0))
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as encoder:
+            previous: tuple[list[Record], Future[list[Encoded]]] | None = None
+            for batch, at in _batches(path):
+                future = encoder.submit(encode_records, tokenizer, batch, sequence_length=key.fit)
+                if previous is not None:
+                    write(previous[0], previous[1].result())
+                previous = (batch, future)
+                if progress is not None:
+                    progress()
+                if fraction is not None:
+                    fraction(min(at / size, 0.999))
+            if previous is not None:
+                write(previous[0], previous[1].result())
         files["mask.bin"].write(np.packbits(pending, bitorder="little").tobytes())
         if fraction is not None:
             fraction(1.0)
@@ -392,14 +408,16 @@ def _build(
 
 
 def _batches(path: str) -> Iterator[tuple[list[Record], int]]:
-    """ENCODE_BATCH records at a time, each with the bytes of the file read so far."""
+    """ENCODE_BATCH records or ENCODE_BYTES of lines at a time, whichever comes first, each
+    batch with the bytes of the file read so far."""
     batch: list[Record] = []
-    position = 0
+    position = held = 0
     for record, position in iter_records(path):
         batch.append(record)
-        if len(batch) == ENCODE_BATCH:
+        held += len(record.raw)
+        if len(batch) == ENCODE_BATCH or held >= ENCODE_BYTES:
             yield batch, position
-            batch = []
+            batch, held = [], 0
     if batch:
         yield batch, position
 
