@@ -37,6 +37,9 @@ WAITING_FOR_WORKER = (
     "(`trainctl worker`) and check `trainctl workers`"
 )
 
+# The most runs one `GET /runs` answers (service.schemas.MAX_RUNS_PAGE; the CLI imports no side).
+RUNS_PAGE = 500
+
 app = typer.Typer(help="Run and watch multi-phase LLM training workflows.", no_args_is_help=True)
 runs_app = typer.Typer(help="Create, list and inspect runs.", no_args_is_help=True)
 tokens_app = typer.Typer(help="Manage API tokens (needs database access).", no_args_is_help=True)
@@ -293,9 +296,18 @@ def runs_cancel(run_id: RunId, as_json: JsonOpt = False) -> None:
 
 
 @runs_app.command("list")
-def runs_list(as_json: JsonOpt = False) -> None:
-    """List runs, newest first."""
-    answer = call("GET", "/runs")
+def runs_list(
+    limit: Annotated[
+        int, typer.Option(min=0, help="Show at most this many runs (0: every run).")
+    ] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, newest first, following the API's pages up to --limit."""
+    answer = call("GET", "/runs", params={"limit": min(limit or RUNS_PAGE, RUNS_PAGE)})
+    while answer["next_cursor"] and (limit == 0 or len(answer["runs"]) < limit):
+        want = RUNS_PAGE if limit == 0 else min(limit - len(answer["runs"]), RUNS_PAGE)
+        page = call("GET", "/runs", params={"limit": want, "cursor": answer["next_cursor"]})
+        answer = {**page, "runs": answer["runs"] + page["runs"]}
     if as_json:
         print(json.dumps(answer, indent=2))
         return
@@ -313,6 +325,8 @@ def runs_list(as_json: JsonOpt = False) -> None:
             run["created_at"],
         )
     console.print(table)
+    if answer["next_cursor"]:
+        console.print(f"the {len(answer['runs'])} newest of {answer['count']}; --limit 0 lists all")
 
 
 @runs_app.command("show")

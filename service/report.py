@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT, MAX_NAME
@@ -117,27 +117,53 @@ def record_metrics(
         else:
             errors.append(ItemError(index=index, error=error))
     if latest:
-        stmt = insert_for(session, MetricPoint).values(
-            [
-                {
-                    "run_id": attempt.run_id,
-                    "name": name,
-                    "step": step,
-                    "value": value,
-                    "attempt_id": attempt.id,
-                }
-                for (name, step), value in latest.items()
-            ]
-        )
-        session.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["run_id", "name", "step"],
-                set_={"value": stmt.excluded.value, "attempt_id": stmt.excluded.attempt_id},
-            )
-        )
+        _upsert_points(session, attempt, latest)
         advance_run_step(session, attempt.run_id, max(step for _, step in latest))
     session.commit()
     return len(batch.points) - len(errors), errors
+
+
+# The upsert of a batch on Postgres: one statement whatever its size, its points passed as
+# three arrays. As one INSERT ... VALUES of 1,000 rows (5,000 parameters) SQLAlchemy spent
+# ~270 ms per batch compiling it (uncacheable: every batch is another statement); as an
+# executemany ~45 ms; as arrays ~25 ms, most of it Postgres's own (bench/metrics_reads.py).
+_UPSERT_ARRAYS = text(
+    "INSERT INTO metrics (run_id, name, step, value, attempt_id) "
+    "SELECT :run_id, point.name, point.step, point.value, :attempt_id "
+    "FROM unnest(CAST(:names AS varchar[]), CAST(:steps AS integer[]), "
+    "CAST(:values AS double precision[])) AS point(name, step, value) "
+    "ON CONFLICT (run_id, name, step) "
+    "DO UPDATE SET value = excluded.value, attempt_id = excluded.attempt_id"
+)
+
+
+def _upsert_points(
+    session: Session, attempt: Attempt, points: dict[tuple[str, int], float]
+) -> None:
+    """Insert or overwrite `points` ((name, step) -> value, each key once) as the attempt's."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(
+            _UPSERT_ARRAYS,
+            {
+                "run_id": attempt.run_id,
+                "attempt_id": attempt.id,
+                "names": [name for name, _ in points],
+                "steps": [step for _, step in points],
+                "values": list(points.values()),
+            },
+        )
+        return
+    stmt = insert_for(session, MetricPoint.__table__)
+    session.connection().execute(
+        stmt.on_conflict_do_update(
+            index_elements=["run_id", "name", "step"],
+            set_={"value": stmt.excluded.value, "attempt_id": stmt.excluded.attempt_id},
+        ),
+        [
+            {"run_id": attempt.run_id, "name": n, "step": s, "value": v, "attempt_id": attempt.id}
+            for (n, s), v in points.items()
+        ],
+    )
 
 
 def record_evals(

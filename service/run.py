@@ -3,14 +3,16 @@ transaction) and the public views of a run."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -240,15 +242,62 @@ def get_run(*, session: Session, run_id: str) -> Run:
     return run
 
 
-def list_runs(*, session: Session, limit: int, status: RunStatus | None) -> tuple[list[Run], int]:
-    """Newest first; also the number of runs matching `status` (all pages)."""
+class RunsCursor(NamedTuple):
+    """Where a page of `GET /runs` ended: its last run's (created_at, id)."""
+
+    created_at: datetime
+    id: str
+
+    def encode(self) -> str:
+        """Opaque to clients: base64url of `[created_at, id]`."""
+        text = json.dumps([self.created_at.isoformat(), self.id], separators=(",", ":"))
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    @classmethod
+    def parse(cls, cursor: str) -> RunsCursor:
+        """The cursor `encode` gave out, or ValueError saying what to do instead."""
+        try:
+            created_at, run_id = json.loads(
+                base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+            )
+            parsed = cls(datetime.fromisoformat(created_at), run_id)
+            if parsed.created_at.tzinfo is None or not isinstance(run_id, str):
+                raise ValueError(cursor)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                "is not a cursor this API gave out; pass the `next_cursor` of the previous "
+                "page as it came, or leave it out to start from the newest run"
+            ) from err
+        return parsed
+
+
+def list_runs(
+    *, session: Session, limit: int, status: RunStatus | None, after: RunsCursor | None = None
+) -> tuple[list[Run], int, RunsCursor | None]:
+    """A page of runs, newest first (created_at descending, then id), starting after `after`;
+    the number of runs matching `status` (all pages); and the cursor of the next page, None
+    after the last. Paging is by key, so runs created meanwhile (newer than any page read)
+    neither repeat nor shift a run into the next page."""
     query = select(Run)
     count = select(func.count()).select_from(Run)
     if status is not None:
         query = query.where(Run.status == status)
         count = count.where(Run.status == status)
-    runs = list(session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit)))
-    return runs, session.scalar(count) or 0
+    if after is not None:
+        # The first condition alone is what an index range on created_at can start from.
+        query = query.where(
+            Run.created_at <= after.created_at,
+            or_(
+                Run.created_at < after.created_at,
+                and_(Run.created_at == after.created_at, Run.id > after.id),
+            ),
+        )
+    runs = list(session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit + 1)))
+    following = None
+    if len(runs) > limit:
+        runs = runs[:limit]
+        following = RunsCursor(runs[-1].created_at, runs[-1].id)
+    return runs, session.scalar(count) or 0, following
 
 
 def runs_public(

@@ -173,6 +173,8 @@ class BatchAccepted(BaseModel):
 class RunsPublic(BaseModel):
     runs: list[RunPublic]
     count: int
+    # Pass as `cursor` for the next page; None on the last page.
+    next_cursor: str | None = None
 
 
 class WorkerPublic(BaseModel):

@@ -3,9 +3,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Body, Depends, Header, Query, Response, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
+from contracts.bounds import MAX_COUNT
 from service.checkpoint import CheckpointFilter, list_checkpoints
 from service.control import cancel_run, pause_run
 from service.deps import (
@@ -19,7 +21,7 @@ from service.deps import (
 from service.lifecycle import RunStatus
 from service.models import Run
 from service.resume import resume_run
-from service.run import create_run, list_runs, run_public, runs_public
+from service.run import RunsCursor, create_run, list_runs, run_public, runs_public
 from service.schemas import (
     MAX_RUNS_PAGE,
     CheckpointPublic,
@@ -42,7 +44,8 @@ def _public(session: Session, settings: ServiceSettings, run: Run) -> RunPublic:
 
 
 MaxPoints = Annotated[
-    int | None, Query(ge=1, description="keep at most this many points per series")
+    int | None,
+    Query(ge=1, le=MAX_COUNT, description="keep at most this many points per series"),
 ]
 
 
@@ -80,13 +83,26 @@ def read_runs(
     settings: SettingsDep,
     limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 50,
     status: RunStatus | None = None,
+    cursor: Annotated[
+        str | None,
+        Query(max_length=200, description="the `next_cursor` of the previous page"),
+    ] = None,
 ) -> RunsPublic:
-    """Newest first. `count` is the number of runs matching `status`, over all pages."""
-    runs, count = list_runs(session=session, limit=limit, status=status)
+    """Newest first, a page of `limit`; `next_cursor` asks for the next page (null on the
+    last). `count` is the number of runs matching `status`, over all pages."""
+    try:
+        after = None if cursor is None else RunsCursor.parse(cursor)
+    except ValueError as err:
+        raise RequestValidationError(
+            [{"loc": ("query", "cursor"), "msg": str(err), "type": "value_error"}]
+        ) from err
+    runs, count, following = list_runs(session=session, limit=limit, status=status, after=after)
     public = runs_public(
         session=session, runs=runs, lease_seconds=settings.lease_seconds, queue=settings.queue
     )
-    return RunsPublic(runs=public, count=count)
+    return RunsPublic(
+        runs=public, count=count, next_cursor=None if following is None else following.encode()
+    )
 
 
 @router.get("/{run_id}")

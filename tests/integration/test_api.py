@@ -350,7 +350,7 @@ def test_list_runs_newest_first_with_status_filter_and_limit(
     assert [r["id"] for r in page["runs"]] == ids[:0:-1]
     assert page["count"] == 3
     none = api.client.get("/runs", params={"status": "succeeded"}, headers=api.admin).json()
-    assert none == {"runs": [], "count": 0}
+    assert none == {"runs": [], "count": 0, "next_cursor": None}
     bad = api.client.get("/runs", params={"status": "sleeping"}, headers=api.admin)
     assert_error(bad, 422, "invalid_request")
 
