@@ -10,6 +10,8 @@ that each peak RSS is the process's own:
 - **start**: a phase start on the built store: the digest check of the data file
   (`worker.store.cached_sha256`, the stat cache) and `worker.data.load_phase_data`, then the
   first 20 batches read from the maps, with the process's peak RSS;
+- **inspection**: `worker.inspect.inspect_file` of the file from its built store, with its peak
+  RSS;
 - **old start** (sizes up to `--old-max`): what a phase start cost before the store, reading
   and encoding the whole corpus into Python objects (`encode_records` over `read_records`).
 
@@ -131,8 +133,10 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
         lines = []
         tokens = 0
         for _, line in read_lines(path):
-            lines.append(json.loads(line)["text" if text else "source"])
-            if len(lines) == ENCODE_BATCH:
+            record = json.loads(line)
+            # Every string the store's encoder encodes: the text, or a pair's source and target.
+            lines += [record["text"]] if text else [record["source"], record["target"]]
+            if len(lines) >= ENCODE_BATCH:
                 tokens += sum(len(e.ids) for e in tokenizer.encode_batch(lines))
                 lines = []
         tokens += sum(len(e.ids) for e in tokenizer.encode_batch(lines))
@@ -143,6 +147,18 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
         stores = Stores(Path(root), tokenizer)
         store = stores.get(path, fit=None if text else PAIR_SEQ)
         out["tokens"] = store.tokens
+    elif mode == "inspect":
+        from contracts.jobs import InspectRequest
+        from worker.inspect import inspect_file
+        from worker.store import Stores
+
+        request = InspectRequest(
+            path=path,
+            tokenizer=str(TOKENIZER),
+            objective=objective,
+            sequence_length=SEQ if text else PAIR_SEQ,
+        )
+        out["records"] = inspect_file(request, stores=Stores(Path(root), tokenizer)).records
     elif mode in ("start", "old"):
         from contracts.workflow import Phase
         from worker.data import batch_for_step, load_phase_data
@@ -200,6 +216,7 @@ def measure(path: Path, objective: str, tmp: Path, *, old: bool) -> dict[str, An
     baseline = run_child("baseline", path, root, objective)
     build = run_child("build", path, root, objective)
     start = run_child("start", path, root, objective)
+    inspect = run_child("inspect", path, root, objective)
     row = {
         "file_mb": path.stat().st_size / 2**20,
         "tokens": build["tokens"],
@@ -208,6 +225,8 @@ def measure(path: Path, objective: str, tmp: Path, *, old: bool) -> dict[str, An
         "build_rss_mb": build["peak_rss_mb"],
         "start_s": start["ready"],
         "start_rss_mb": start["peak_rss_mb"],
+        "inspect_s": inspect["seconds"],
+        "inspect_rss_mb": inspect["peak_rss_mb"],
     }
     if old:
         before = run_child("old", path, root, objective)
@@ -245,10 +264,10 @@ def main() -> None:
 
     print(
         "| corpus | file | tokens | encode_batch alone | store build | build / encode_batch "
-        "| build peak RSS | phase start (store) | start peak RSS | phase start before "
-        "| RSS before |"
+        "| build peak RSS | phase start (store) | start peak RSS | inspection (store) "
+        "| inspection peak RSS | phase start before | RSS before |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind, r in rows:
         ratio = r["baseline_s"] / r["build_s"]
         old = f"{r['old_s']:.1f} s | {r['old_rss_mb'] / 1024:.2f} GB" if "old_s" in r else "— | —"
@@ -256,7 +275,7 @@ def main() -> None:
             f"| {kind} | {r['file_mb']:.0f} MB | {r['tokens'] / 1e6:.1f} M | "
             f"{r['baseline_s']:.1f} s | {r['build_s']:.1f} s | {ratio:.2f}x | "
             f"{r['build_rss_mb']:.0f} MB | {r['start_s']:.2f} s | {r['start_rss_mb']:.0f} MB | "
-            f"{old} |"
+            f"{r['inspect_s']:.2f} s | {r['inspect_rss_mb']:.0f} MB | {old} |"
         )
 
 
