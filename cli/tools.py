@@ -1,4 +1,5 @@
-"""Data and evaluation tools: `trainctl data inspect`, `trainctl eval` and the plan table.
+"""Data and evaluation tools: `trainctl data inspect|prepare`, `trainctl eval` and the plan
+table.
 
 Each runs here by default, with the worker's own code (so the worker extra must be installed),
 or on a worker through the API with `--remote` (paths are then the service's).
@@ -106,6 +107,62 @@ def data_inspect(
         print_inspection(report)
     if (report.refused or report.zero_target) and write_fit is None:
         raise typer.Exit(EXIT_FAILED)
+
+
+@data_app.command("prepare")
+def data_prepare(
+    file: Annotated[Path, typer.Argument(help="JSONL or plain-text data file (.zst too).")],
+    tokenizer: Annotated[
+        Path, typer.Option(help="tokenizer.json (or a folder holding one), as in the workflow.")
+    ],
+    objective: Annotated[
+        Objective,
+        typer.Option(help="continued_pretrain reads text; the others supervised records."),
+    ],
+    sequence_length: Annotated[
+        int, typer.Option(min=1, help="The phase's (or source's) sequence_length.")
+    ],
+    remote: RemoteOpt = False,
+    timeout: TimeoutOpt = 3600,
+    as_json: JsonOpt = False,
+) -> None:
+    """Tokenize a data file into its token store ahead of time, once: the store a phase with
+    this tokenizer, objective and sequence_length maps instead of building it before its first
+    step. Locally the store goes under TRAINCTL_ARTIFACT_ROOT (default ~/.trainctl/artifacts),
+    the embedded service's artifact store; with --remote, under the workers'."""
+    from contracts.jobs import PreparedStore, PrepareRequest
+
+    request = PrepareRequest(
+        path=_path(file, remote),
+        tokenizer=_path(tokenizer, remote),
+        objective=objective.value,
+        sequence_length=sequence_length,
+    )
+    if remote:
+        job = call("POST", "/datasets/prepare", json=request.model_dump())
+        job = wait_for_job(f"/datasets/preparations/{job['id']}", timeout=timeout)
+        if job["status"] == "failed":  # the file or the request: bad input, as run locally
+            raise fail(f"preparation {job['id']} failed: {job.get('error')}", EXIT_BAD_INPUT)
+        prepared = PreparedStore.model_validate(job["result"])
+    else:
+        from worker.model import load_tokenizer
+        from worker.settings import WorkerSettings
+        from worker.store import Stores, prepare_file, store_root
+
+        root = store_root(WorkerSettings().artifact_root)
+        prepared = local(
+            lambda: prepare_file(request, Stores(root, load_tokenizer(request.tokenizer)))
+        )
+    if as_json:
+        print(prepared.model_dump_json(indent=2))
+        return
+    done = "built" if prepared.built else "already there, checked"
+    console.print(
+        f"{prepared.path}: {prepared.records:,} records, {prepared.tokens:,} tokens; store "
+        f"{prepared.store} {done} in {prepared.seconds:.1f} s",
+        soft_wrap=True,
+        markup=False,
+    )
 
 
 def print_inspection(report: Any) -> None:

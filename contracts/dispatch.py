@@ -10,4 +10,5 @@ RUN_PHASE_TASK = "trainctl.run_phase"
 # Jobs (contracts.jobs): args (job_id, request as a JSON-able dict).
 INSPECT_DATASET_TASK = "trainctl.inspect_dataset"
 EVALUATE_CHECKPOINT_TASK = "trainctl.evaluate_checkpoint"
+PREPARE_DATASET_TASK = "trainctl.prepare_dataset"
 DEFAULT_QUEUE = "trainctl"

@@ -1,6 +1,7 @@
-"""Jobs that are not training: dataset inspection and standalone evaluation.
+"""Jobs that are not training: dataset inspection, token store preparation and standalone
+evaluation.
 
-Both read data or run a model, so both run on workers (the service never imports torch): the
+All read data or run a model, so all run on workers (the service never imports torch): the
 API stores a job and answers 202 with its id, a worker runs it and posts the result back, and
 `GET` on the job returns it. The CLI runs the same worker functions locally.
 """
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from contracts.bounds import NUL_REPLACED
 from contracts.workflow import InspectionGate, Name, Objective, PositiveInt
 
-JobKind = Literal["inspection", "evaluation"]
+JobKind = Literal["inspection", "evaluation", "preparation"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 
 
@@ -29,6 +30,21 @@ class InspectRequest(_Request):
     tokenizer: str
     objective: Objective
     sequence_length: PositiveInt
+
+
+class PrepareRequest(_Request):
+    """Build one data file's token store ahead of time, the one a phase reading it with this
+    tokenizer, objective and sequence_length would otherwise build before its first step."""
+
+    path: str
+    tokenizer: str
+    objective: Objective
+    sequence_length: PositiveInt
+
+    @property
+    def fit(self) -> int | None:
+        """What the store's records are fitted to: nothing for text, as training reads it."""
+        return None if self.objective == "continued_pretrain" else self.sequence_length
 
 
 class EvaluateRequest(_Request):
@@ -131,6 +147,19 @@ class InspectionReport(BaseModel):
         return failures
 
 
+class PreparedStore(BaseModel):
+    """A prepared token store: where it is, what it holds, and whether this job built it."""
+
+    path: str
+    store: str  # the store's directory, under <artifact_root>/tokens/
+    records: int
+    tokens: int
+    # False when a complete store was already there (built by a run, an inspection or an
+    # earlier preparation): then only the file's digest and the store's meta were checked.
+    built: bool
+    seconds: float
+
+
 class Job(BaseModel):
     """A job as the API returns it."""
 
@@ -138,7 +167,8 @@ class Job(BaseModel):
     kind: JobKind
     status: JobStatus
     request: dict[str, Any]
-    # An InspectionReport or an EvalResult (contracts.reports), once succeeded.
+    # An InspectionReport, a PreparedStore or an EvalResult (contracts.reports), once
+    # succeeded.
     result: dict[str, Any] | None = None
     error: str | None = None
     created_at: str

@@ -19,7 +19,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.dispatch import EVALUATE_CHECKPOINT_TASK, INSPECT_DATASET_TASK, RUN_PHASE_TASK
+from contracts.dispatch import (
+    EVALUATE_CHECKPOINT_TASK,
+    INSPECT_DATASET_TASK,
+    PREPARE_DATASET_TASK,
+    RUN_PHASE_TASK,
+)
 from runtime.broker import broker_options
 from service.models import Job, OutboxMessage, utcnow
 from service.periodic import Periodic
@@ -36,7 +41,11 @@ _PUBLISH_FAILOVER = {
 }
 _BATCH = 100
 
-JOB_TASKS = {"inspection": INSPECT_DATASET_TASK, "evaluation": EVALUATE_CHECKPOINT_TASK}
+JOB_TASKS = {
+    "inspection": INSPECT_DATASET_TASK,
+    "evaluation": EVALUATE_CHECKPOINT_TASK,
+    "preparation": PREPARE_DATASET_TASK,
+}
 
 
 def make_celery(broker_url: str) -> Celery:

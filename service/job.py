@@ -1,4 +1,5 @@
-"""Jobs (contracts.jobs): dataset inspections and standalone evaluations, run on workers.
+"""Jobs (contracts.jobs): dataset inspections, token store preparations and standalone
+evaluations, run on workers.
 
 A job is stored with its outbox row in one transaction, so a broker outage delays a job and
 never fails the request; the message goes out after the commit (service.dispatch). A worker
@@ -11,13 +12,21 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from contracts.jobs import EvaluateRequest, InspectionReport, InspectRequest, JobKind, JobOutcome
+from contracts.jobs import (
+    EvaluateRequest,
+    InspectionReport,
+    InspectRequest,
+    JobKind,
+    JobOutcome,
+    PreparedStore,
+    PrepareRequest,
+)
 from contracts.jobs import Job as JobPublic
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
@@ -30,11 +39,13 @@ from service.models import Job, OutboxMessage, new_job_id, utcnow
 RESULT_MODELS: dict[str, type[BaseModel]] = {
     "inspection": InspectionReport,
     "evaluation": EvalResult,
+    "preparation": PreparedStore,
 }
 # Where each kind is read back, and how a client makes one.
 PUBLIC = {
     "inspection": ("/datasets/inspections", "POST /datasets/inspect starts an inspection"),
     "evaluation": ("/evaluations", "POST /evaluations starts an evaluation"),
+    "preparation": ("/datasets/preparations", "POST /datasets/prepare starts a preparation"),
 }
 # The file of a tokenizer saved in a checkpoint directory (worker.model.load_tokenizer).
 TOKENIZER_FILE = "tokenizer.json"
@@ -50,9 +61,13 @@ def _refuse(where: str, problems: list[dict[str, str]]) -> ApiError:
     return ApiError(422, "invalid_request", f"{where}: {summary}", problems)
 
 
-def resolve_inspect(request: InspectRequest, *, data_root: Path) -> InspectRequest:
-    """The request with its paths resolved against `data_root`; 422 `invalid_request` naming
-    each field whose file does not exist."""
+DataRequest = TypeVar("DataRequest", InspectRequest, PrepareRequest)
+
+
+def resolve_dataset(request: DataRequest, *, data_root: Path, route: str) -> DataRequest:
+    """An inspection's or a preparation's request with its paths resolved against
+    `data_root`; 422 `invalid_request` from `route` naming each field whose file does not
+    exist."""
     resolved = request.model_copy(
         update={
             "path": resolve_path(request.path, data_root),
@@ -69,7 +84,7 @@ def resolve_inspect(request: InspectRequest, *, data_root: Path) -> InspectReque
         if (why := path_problem(path, kind))
     ]
     if problems:
-        raise _refuse("POST /datasets/inspect", problems)
+        raise _refuse(route, problems)
     return resolved
 
 

@@ -191,6 +191,10 @@ class Attempt(Base):
     # when that last moved: an attempt whose progress stalls is lost with cause `stalled`.
     progress: Mapped[int | None] = mapped_column(BigInteger)
     progress_at: Mapped[datetime | None]
+    # The data file the attempt is tokenizing into its store before its first step, and the
+    # share read (heartbeats).
+    preparing_file: Mapped[str | None] = mapped_column(String(1024))
+    preparing_fraction: Mapped[float | None] = mapped_column(Float)
     worker_hostname: Mapped[str | None] = mapped_column(String(MAX_HOSTNAME))
     worker_pid: Mapped[int | None]
     # No foreign key: attempts and checkpoints would reference each other, and SQLite cannot

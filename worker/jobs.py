@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome
+from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome, PrepareRequest
 from worker import metrics
 from worker.client import ServiceClient
 from worker.error import TrainingError, origin
@@ -80,7 +80,7 @@ def job_outcome(kind: JobKind, request: dict[str, Any], *, settings: WorkerSetti
 
 
 def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -> BaseModel:
-    # Imported here: the work modules load tokenizers and torch, which a job of the other kind
+    # Imported here: the work modules load tokenizers and torch, which a job of another kind
     # does not need.
     if kind == "inspection":
         from worker.inspect import inspect_file
@@ -90,6 +90,13 @@ def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -
         inspect = InspectRequest.model_validate(request)
         stores = Stores(store_root(settings.artifact_root), load_tokenizer(inspect.tokenizer))
         return inspect_file(inspect, stores=stores)
+    if kind == "preparation":
+        from worker.model import load_tokenizer
+        from worker.store import Stores, prepare_file, store_root
+
+        prepare = PrepareRequest.model_validate(request)
+        stores = Stores(store_root(settings.artifact_root), load_tokenizer(prepare.tokenizer))
+        return prepare_file(prepare, stores)
     import torch
 
     from worker.evaluate import evaluate_checkpoint

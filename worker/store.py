@@ -46,6 +46,7 @@ from typing import IO, Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from contracts.jobs import PreparedStore, PrepareRequest
 from contracts.reports import Claim
 from contracts.signature import sha256_file
 from contracts.workflow import ENCODER_VERSION
@@ -505,3 +506,31 @@ def cached_sha256(path: str | Path, root: Path, progress: Callable[[], None] | N
     tmp.write_text(json.dumps({"path": str(resolved), "stat": seen, "sha256": digest}))
     os.replace(tmp, entry)
     return digest
+
+
+# --- preparing ahead of time ----------------------------------------------------------------
+
+
+def prepare_file(request: PrepareRequest, stores: Stores) -> PreparedStore:
+    """The store of `request.path` that a phase with the request's objective and
+    sequence_length would build before its first step (same key: the phase maps it), built now
+    unless a complete one is there already. Memory is the build's: ENCODE_BATCH records."""
+    started = time.perf_counter()
+    path = Path(request.path)
+    if not path.is_file():  # as Stores.get says it, before the digest would stat nothing
+        raise DataError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
+    key = stores.key(request.path, request.fit)
+    try:
+        open_store(stores.root / key.name, key)
+        built = False
+    except DataError:  # missing, half-built or damaged: `get` builds it
+        built = True
+    store = stores.get(request.path, request.fit)
+    return PreparedStore(
+        path=request.path,
+        store=str(store.path),
+        records=len(store),
+        tokens=store.tokens,
+        built=built,
+        seconds=round(time.perf_counter() - started, 3),
+    )

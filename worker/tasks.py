@@ -9,7 +9,12 @@ from celery import Task
 from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutting_down
 
-from contracts.dispatch import EVALUATE_CHECKPOINT_TASK, INSPECT_DATASET_TASK, RUN_PHASE_TASK
+from contracts.dispatch import (
+    EVALUATE_CHECKPOINT_TASK,
+    INSPECT_DATASET_TASK,
+    PREPARE_DATASET_TASK,
+    RUN_PHASE_TASK,
+)
 from contracts.jobs import JobKind
 from worker.celery_app import app
 from worker.client import ServiceClient, ServiceUnavailable
@@ -81,6 +86,18 @@ def _run_job(kind: JobKind, job_id: str, request: dict[str, Any]) -> None:
 )
 def inspect_dataset(job_id: str, request: dict[str, Any]) -> None:
     _run_job("inspection", job_id, request)
+
+
+@app.task(
+    name=PREPARE_DATASET_TASK,
+    shared=False,
+    autoretry_for=(ServiceUnavailable,),
+    retry_backoff=30,
+    retry_backoff_max=600,
+    max_retries=8,
+)
+def prepare_dataset(job_id: str, request: dict[str, Any]) -> None:
+    _run_job("preparation", job_id, request)
 
 
 @app.task(

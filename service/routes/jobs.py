@@ -1,11 +1,11 @@
-"""Routes of jobs (service.job): `POST /datasets/inspect`, `POST /evaluations`, their reads,
-and the worker's `/internal/jobs/{id}/start|result`."""
+"""Routes of jobs (service.job): `POST /datasets/inspect`, `POST /datasets/prepare`,
+`POST /evaluations`, their reads, and the worker's `/internal/jobs/{id}/start|result`."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Response, status
 
-from contracts.jobs import EvaluateRequest, InspectRequest, JobOutcome
+from contracts.jobs import EvaluateRequest, InspectRequest, JobOutcome, PrepareRequest
 from contracts.jobs import Job as JobPublic
 from service.deps import PumpDep, SessionDep, SettingsDep, require_admin, require_worker
 from service.dispatch import OutboxPump
@@ -15,8 +15,8 @@ from service.job import (
     finish_job,
     get_job,
     job_public,
+    resolve_dataset,
     resolve_evaluate,
-    resolve_inspect,
     start_job,
 )
 from service.models import Job
@@ -47,7 +47,7 @@ def inspect_dataset(
     """Token statistics of one data file with the exact tokenizer and encoder of training,
     computed on a worker: 202 with the queued job; poll its Location until it has finished.
     Relative paths resolve against the service's data root; a missing file is 422."""
-    request = resolve_inspect(body, data_root=settings.data_root)
+    request = resolve_dataset(body, data_root=settings.data_root, route="POST /datasets/inspect")
     job = create_job(session=session, kind="inspection", request=request)
     _accepted(job, response, background, pump)
     return job_public(job)
@@ -56,6 +56,29 @@ def inspect_dataset(
 @public.get("/datasets/inspections/{job_id}")
 def read_inspection(job_id: str, session: SessionDep) -> JobPublic:
     return job_public(get_job(session=session, job_id=job_id, kind="inspection"))
+
+
+@public.post("/datasets/prepare", status_code=status.HTTP_202_ACCEPTED)
+def prepare_dataset(
+    body: PrepareRequest,
+    session: SessionDep,
+    settings: SettingsDep,
+    pump: PumpDep,
+    response: Response,
+    background: BackgroundTasks,
+) -> JobPublic:
+    """Build one data file's token store on a worker ahead of time, the store a phase with the
+    same tokenizer, objective and sequence_length would build before its first step: 202 with
+    the queued job; its result is a contracts.jobs.PreparedStore. Paths as for inspect."""
+    request = resolve_dataset(body, data_root=settings.data_root, route="POST /datasets/prepare")
+    job = create_job(session=session, kind="preparation", request=request)
+    _accepted(job, response, background, pump)
+    return job_public(job)
+
+
+@public.get("/datasets/preparations/{job_id}")
+def read_preparation(job_id: str, session: SessionDep) -> JobPublic:
+    return job_public(get_job(session=session, job_id=job_id, kind="preparation"))
 
 
 @public.post("/evaluations", status_code=status.HTTP_202_ACCEPTED)

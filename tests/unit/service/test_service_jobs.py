@@ -5,6 +5,7 @@ adapter (worker.jobs.run_job) is driven against the same app, its work functions
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from service.settings import ServiceSettings
 from worker.client import ServiceClient
 from worker.error import DataError
 from worker.settings import WorkerSettings
+
+TOKENIZER = Path(__file__).resolve().parents[3] / "examples" / "tokenizer" / "tokenizer.json"
 
 
 @dataclass
@@ -59,7 +62,8 @@ def api(tmp_path: Path) -> Iterator[Api]:
 
 def inspect_body(api: Api, **overrides: Any) -> dict[str, Any]:
     (api.data / "train.jsonl").write_text('{"source": "a b", "target": "c"}\n')
-    (api.data / "tokenizer.json").write_text("{}")
+    # A real one: a worker loads it before the work function (replaced in some tests) runs.
+    shutil.copy(TOKENIZER, api.data / "tokenizer.json")
     return {
         "path": "train.jsonl",
         "tokenizer": "tokenizer.json",
@@ -221,6 +225,37 @@ def test_a_checkpoint_without_a_tokenizer_needs_one_given(api: Api) -> None:
     assert api.client.post("/evaluations", json=given, headers=api.admin).status_code == 202
 
 
+def test_preparation_is_accepted_and_read_back_under_preparations(api: Api) -> None:
+    answer = api.client.post("/datasets/prepare", json=inspect_body(api), headers=api.admin)
+    assert answer.status_code == 202, answer.text
+    job = answer.json()
+    assert (job["kind"], job["status"]) == ("preparation", "queued")
+    assert answer.headers["location"] == f"/datasets/preparations/{job['id']}"
+    assert job["request"]["path"] == str((api.data / "train.jsonl").resolve())
+    assert job["request"]["tokenizer"] == str((api.data / "tokenizer.json").resolve())
+    assert api.client.get(answer.headers["location"], headers=api.admin).json() == job
+    elsewhere = api.client.get(f"/datasets/inspections/{job['id']}", headers=api.admin)
+    assert elsewhere.json()["error"]["code"] == "inspection_not_found"
+    with api.sessions() as session:
+        (row,) = session.scalars(select(OutboxMessage)).all()
+        assert row.job_id == job["id"]
+    missing = api.client.get("/datasets/preparations/job_nope", headers=api.admin)
+    assert missing.status_code == 404
+    assert "POST /datasets/prepare" in missing.json()["error"]["message"]
+
+
+def test_a_preparation_of_a_missing_file_is_422_naming_the_field(api: Api) -> None:
+    body = inspect_body(api, path="nowhere.jsonl", tokenizer="none.json")
+    answer = api.client.post("/datasets/prepare", json=body, headers=api.admin)
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert [d["path"] for d in error["details"]] == ["path", "tokenizer"]
+    assert error["message"].startswith("POST /datasets/prepare: path: file ")
+    with api.sessions() as session:
+        assert session.scalars(select(Job)).all() == []
+
+
 def test_an_unknown_field_is_422_naming_it(api: Api) -> None:
     body = inspect_body(api, sequence_lenght=8)
     answer = api.client.post("/datasets/inspect", json=body, headers=api.admin)
@@ -372,7 +407,7 @@ def test_worker_runs_a_job_and_posts_its_report(
     from worker import inspect
     from worker.jobs import run_job
 
-    def inspect_file(request: InspectRequest) -> InspectionReport:
+    def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
         return InspectionReport.model_validate(report(path=request.path, records=5))
 
     monkeypatch.setattr(inspect, "inspect_file", inspect_file)
@@ -392,13 +427,42 @@ def test_worker_runs_a_job_and_posts_its_report(
     assert read["result"]["path"] == job["request"]["path"]
 
 
+def test_worker_prepares_a_store_once_and_posts_where_it_is(api: Api, tmp_path: Path) -> None:
+    from worker.jobs import run_job
+
+    settings = WorkerSettings(home=tmp_path / "worker", artifact_root=tmp_path / "artifacts")
+    results = []
+    with service_client(api) as client:
+        for _ in range(2):
+            answer = api.client.post("/datasets/prepare", json=inspect_body(api), headers=api.admin)
+            job = answer.json()
+            outcome = run_job(
+                "preparation", job["id"], job["request"], settings=settings, client=client
+            )
+            assert outcome is not None and outcome.status == "succeeded", outcome
+            read = api.client.get(f"/datasets/preparations/{job['id']}", headers=api.admin).json()
+            assert read["status"] == "succeeded"
+            results.append(read["result"])
+    first, second = results
+    assert first["built"] is True and second["built"] is False
+    assert first["path"] == str((api.data / "train.jsonl").resolve())
+    assert first["records"] == 1 and first["tokens"] > 0
+    store = Path(first["store"])
+    assert store.parent == tmp_path / "artifacts" / "tokens" and (store / "meta.json").is_file()
+    assert (second["store"], second["records"], second["tokens"]) == (
+        first["store"],
+        first["records"],
+        first["tokens"],
+    )
+
+
 def test_worker_reports_a_bad_file_as_a_failed_job_with_its_message(
     api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from worker import inspect
     from worker.jobs import run_job
 
-    def inspect_file(request: InspectRequest) -> InspectionReport:
+    def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
         raise DataError(f"{request.path} line 3: not JSON (Expecting value)")
 
     monkeypatch.setattr(inspect, "inspect_file", inspect_file)
@@ -418,7 +482,7 @@ def test_worker_reports_an_unexpected_error_with_its_type_and_place(
     from worker import inspect
     from worker.jobs import run_job
 
-    def inspect_file(request: InspectRequest) -> InspectionReport:
+    def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
         raise KeyError("lengths")
 
     monkeypatch.setattr(inspect, "inspect_file", inspect_file)
