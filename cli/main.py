@@ -340,6 +340,10 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
     console.print(f"[bold]{run['id']}[/bold] {run['status']}{cause}")
     if run.get("waiting_for_worker"):
         console.print(f"[yellow]{WAITING_FOR_WORKER}[/yellow]")
+    if run.get("preparing"):
+        from cli.watch import preparing_text
+
+        console.print(preparing_text(run["preparing"]), markup=False)
     console.print(f"phase {run.get('phase')}  step {run['step']}/{run['total_steps']}")
     ckpt = run.get("latest_checkpoint")
     console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")

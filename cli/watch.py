@@ -41,6 +41,7 @@ def snapshot(api: ApiClient, run_id: str) -> dict[str, Any]:
         "restarts": run.get("restarts", 0),
         "preemptions": run.get("preemptions", 0),
         "waiting_for_worker": run.get("waiting_for_worker", False),
+        "preparing": run.get("preparing"),
         "cause": run.get("cause"),
         "message": run.get("message"),
     }
@@ -131,8 +132,15 @@ def _fields(state: dict[str, Any]) -> dict[str, str]:
         "speed": f"{speed:,.0f} tok/s" if speed is not None else "- tok/s",
         "restarts": f"{recoveries} restarts" if recoveries else "",
         "status": state["status"]
-        + (" (waiting for a worker)" if state["waiting_for_worker"] else ""),
+        + (" (waiting for a worker)" if state["waiting_for_worker"] else "")
+        + (f" ({preparing_text(state['preparing'])})" if state.get("preparing") else ""),
     }
+
+
+def preparing_text(preparing: dict[str, Any]) -> str:
+    """`preparing: 41% of pretrain.jsonl`: a run's attempt tokenizing a file into its store."""
+    name = preparing["file"].rsplit("/", 1)[-1]
+    return f"preparing: {preparing['fraction']:.0%} of {name}"
 
 
 def _wait(deadline: float, poll: float, run_id: str, timeout: float) -> None:

@@ -413,6 +413,10 @@ def heartbeat(
         return HeartbeatAnswer(action="stop", lease_seconds=lease_seconds)
     if attempt.progress != report.progress:
         attempt.progress, attempt.progress_at = report.progress, utcnow()
+    # Until the first step: the data file being tokenized into its store, and how far.
+    preparing = report.preparing
+    attempt.preparing_file = None if preparing is None else preparing.file
+    attempt.preparing_fraction = None if preparing is None else preparing.fraction
     set_run_step(run, report.step)
     # The lease is renewed either way: a pausing worker needs time to write its checkpoint.
     pausing = run.pause_requested_at is not None or run.status == RunStatus.PAUSED

@@ -16,6 +16,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contracts.reports import Preparing
 from contracts.signature import Digests, Signature, canonical_json, compute_signature
 from contracts.workflow import Plan, plan
 from contracts.workflow import Workflow as WorkflowSpec
@@ -346,6 +347,13 @@ def run_public(*, session: Session, run: Run, lease_seconds: float, queue: str) 
     return runs_public(session=session, runs=[run], lease_seconds=lease_seconds, queue=queue)[0]
 
 
+def _preparing(attempts: list[Attempt]) -> Preparing | None:
+    newest = attempts[-1] if attempts else None
+    if newest is None or newest.status != AttemptStatus.RUNNING or newest.preparing_file is None:
+        return None
+    return Preparing(file=newest.preparing_file, fraction=newest.preparing_fraction or 0.0)
+
+
 def _run_public(
     run: Run,
     attempts: list[Attempt],
@@ -383,6 +391,7 @@ def _run_public(
         recovery_seconds=recovery_seconds(attempts, now),
         pause_requested_at=run.pause_requested_at,
         waiting_for_worker=waiting_for_worker,
+        preparing=_preparing(attempts),
         created_at=run.created_at,
         updated_at=run.updated_at,
         finished_at=run.finished_at,

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
+from contracts.reports import Preparing
 from contracts.workflow import Plan
 from service.lifecycle import RunStatus
 
@@ -150,6 +151,9 @@ class RunPublic(BaseModel):
     # The newest attempt is queued and no worker of the service's queue was heard from within
     # the lease period: nothing will take it until a worker starts (GET /workers).
     waiting_for_worker: bool
+    # The running attempt is tokenizing a data file into its token store before its first
+    # step (the file, and the share of it read), as its last heartbeat said.
+    preparing: Preparing | None = None
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None

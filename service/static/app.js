@@ -83,6 +83,12 @@ function when(iso) {
   );
 }
 
+// "preparing: 41% of pretrain.jsonl": the attempt tokenizes a data file into its token store.
+function preparingText(preparing) {
+  const name = preparing.file.split("/").pop();
+  return `preparing: ${Math.round(preparing.fraction * 100)}% of ${name}`;
+}
+
 function phaseLabel(run) {
   const phases = run.plan.phases;
   if (run.phase === null) return "–";
@@ -203,6 +209,7 @@ function renderRuns({ runs, count }) {
           {},
           statusBadge(run.status),
           run.waiting_for_worker ? el("div", { class: "waiting" }, "waiting for a worker") : null,
+          run.preparing ? el("div", { class: "muted preparing" }, preparingText(run.preparing)) : null,
         ),
         el("td", {}, phaseLabel(run)),
         el(
@@ -498,6 +505,9 @@ function renderRun(current) {
   message.textContent = text;
   message.hidden = !text;
   $("#run-waiting").hidden = !run.waiting_for_worker;
+  const preparing = $("#run-preparing");
+  preparing.textContent = run.preparing ? preparingText(run.preparing) : "";
+  preparing.hidden = !run.preparing;
   const latest = run.latest_checkpoint ? `step ${run.latest_checkpoint.step}` : "none";
   const facts = [
     ["Run", run.id],

@@ -342,6 +342,30 @@ def test_moving_progress_keeps_a_slow_attempt(api: Api, tiny_workflow: WorkflowF
     assert attempt_row(api, attempt_id).status == "running"
 
 
+def test_a_run_shows_the_file_its_attempt_is_preparing_until_the_first_step(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    run_id, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+
+    def shown() -> Any:
+        return api.client.get(f"/runs/{run_id}", headers=api.admin).json()["preparing"]
+
+    assert shown() is None
+    preparing = {"file": "/data/pretrain.jsonl", "fraction": 0.41}
+    body = {"fencing_token": worker.secret, "step": 0, "progress": 5, "preparing": preparing}
+    assert worker.post("heartbeat", body).status_code == 200
+    assert shown() == preparing
+    listed = api.client.get("/runs", headers=api.admin).json()["runs"]
+    assert [r["preparing"] for r in listed if r["id"] == run_id] == [preparing]
+
+    out_of_range = {**body, "preparing": {**preparing, "fraction": 1.5}}
+    assert worker.post("heartbeat", out_of_range).status_code == 422
+    assert worker.heartbeat(1, progress=6).status_code == 200  # the first step: prepared
+    assert shown() is None
+
+
 # --- grace -------------------------------------------------------------------------------
 
 

@@ -215,3 +215,18 @@ def test_a_missing_file_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
         stores.get(str(tmp_path / "nowhere.jsonl"), fit=None)
     with pytest.raises(DataError, match="not a file"):
         stores.get(str(tmp_path), fit=None)
+
+
+def test_a_build_says_how_much_of_its_file_it_has_read(
+    make_text_file: Callable[..., Path], tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    path = make_text_file(documents=3000)
+    heard: list[tuple[str, float]] = []
+    stores = Stores(tmp_path / "tokens", tokenizer, fraction=lambda f, s: heard.append((f, s)))
+    stores.get(str(path), fit=None)
+    shares = [share for _, share in heard]
+    assert {file for file, _ in heard} == {str(path)}
+    assert shares == sorted(shares) and shares[-1] == 1.0 and 0.0 < shares[0] <= 1.0
+    heard.clear()
+    stores.get(str(path), fit=None)
+    assert heard == [], "opening a built store prepares nothing"

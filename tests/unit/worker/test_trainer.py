@@ -256,6 +256,10 @@ def test_next_phase_starts_from_the_previous_phase_final_checkpoint(
     manifest = json.loads((Path(first.checkpoint.path) / MANIFEST).read_text())
     hashed = sum(math.ceil(f["size"] / 2**20) for f in manifest["files"].values())
     assert reporter.progress_calls == 2 + 1 + hashed + 1 + 1
+    # The run showed the sft file being prepared, done before the first step.
+    assert [f for f, share in reporter.prepared if share == 1.0] == [
+        str(workflow.phases[1].data[0].path)
+    ]
     base_lr = workflow.optimizer.adamw_lr * 0.5
     assert reporter.metrics_by_step[5]["lr"] == pytest.approx(
         base_lr * lr_multiplier(1, total_steps=7, schedule=workflow.phases[1].schedule)
