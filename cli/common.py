@@ -45,7 +45,8 @@ def call(method: str, path: str, **kwargs: Any) -> Any:
 
 
 def wait_for_job(path: str, *, timeout: float, poll: float = 0.5) -> dict[str, Any]:
-    """Poll a job (`/datasets/inspections/<id>`, `/evaluations/<id>`) until it finishes."""
+    """Poll a job (`/datasets/inspections/<id>`, `/datasets/preparations/<id>`,
+    `/evaluations/<id>`) until it finishes."""
     deadline = time.monotonic() + timeout
     while True:
         job: dict[str, Any] = call("GET", path)
