@@ -96,6 +96,9 @@ class TimingReporter:
     def progress(self) -> None:
         pass
 
+    def preparing(self, file: str, fraction: float) -> None:
+        pass
+
 
 def write_inputs(folder: Path, objective: str) -> tuple[Path, Path]:
     """The tokenizer, and the data of `objective`: 2000 documents of 60 words for pretraining,
