@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_inspect import MIXED, SEQ
 from tokenizers import Tokenizer
 
 from contracts.signature import sha256_file
-from tests.unit.worker.test_inspect import MIXED, SEQ
 from worker import store as store_module
 from worker.encode import encode_records
 from worker.error import DataError
