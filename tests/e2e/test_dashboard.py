@@ -187,8 +187,13 @@ def test_run_page_draws_curves_and_baselines_and_follows_live_updates(
         # baseline as a dashed line.
         charts = browser.execute_script("return Object.keys(window.trainctl.page.plots.evals);")
         assert sorted(charts) == sorted(SETS)
-        rows = browser.find_elements(By.CSS_SELECTOR, "#eval-table tbody tr")
-        assert {r.get_attribute("data-set"): r.get_attribute("data-task") for r in rows} == SETS
+        # Read in one script: the live page redraws the table as evaluations arrive, and an
+        # element found before a redraw is stale after it.
+        rows = browser.execute_script(
+            "return [...document.querySelectorAll('#eval-table tbody tr')]"
+            ".map((r) => [r.dataset.set, r.dataset.task]);"
+        )
+        assert dict(rows) == SETS
         for task in SETS:
             eval_steps, perplexity, baseline = browser.execute_script(
                 "return window.trainctl.page.plots.evals[arguments[0]].data;", task
