@@ -20,7 +20,8 @@ what does not fit is reported (`fits` false, with the lengths), and the caller r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -97,6 +98,12 @@ def encode_records(
     """Encode `records` (one tokenizer batch call). `sequence_length` None: never fit (text,
     or measuring only)."""
     eos_id, _ = special_token_ids(tokenizer)
+    return assemble(records, tokenize(tokenizer, records), eos_id, sequence_length)
+
+
+def tokenize(tokenizer: Tokenizer, records: Sequence[Record]) -> list[list[list[int]]]:
+    """The ids of each piece of each record (one tokenizer batch call, native code that runs
+    on every core and off the GIL): the first half of `encode_records`."""
     pieces = [_pieces(r) for r in records]
     # "<|endoftext|>" written in a record is text, not a document boundary: the only special
     # token in an encoding is the EOS added here, by id.
@@ -107,11 +114,24 @@ def encode_records(
     finally:
         tokenizer.encode_special_tokens = before
     out, at = [], 0
-    for record, ps in zip(records, pieces, strict=True):
-        ids = [e.ids for e in flat[at : at + len(ps)]]
+    for ps in pieces:
+        out.append([e.ids for e in flat[at : at + len(ps)]])
         at += len(ps)
-        out.append(_assemble(record, ids, eos_id, sequence_length))
     return out
+
+
+def assemble(
+    records: Sequence[Record],
+    pieces: Sequence[list[list[int]]],
+    eos_id: int,
+    sequence_length: int | None,
+) -> list[Encoded]:
+    """Records from the ids of their pieces (`tokenize`): the second half of
+    `encode_records`."""
+    return [
+        _assemble(record, ids, eos_id, sequence_length)
+        for record, ids in zip(records, pieces, strict=True)
+    ]
 
 
 def encode_record(tokenizer: Tokenizer, record: Record, *, sequence_length: int | None) -> Encoded:
@@ -174,24 +194,28 @@ def _finish(
 ) -> Encoded:
     """Prompt parts (ids, is_target) + target + EOS, measured against `sequence_length`."""
     tokens: list[int] = []
-    mask: list[bool] = []
+    spans: list[tuple[int, int]] = []  # where the targets are
     for part, is_target in parts:
+        if is_target:
+            spans.append((len(tokens), len(tokens) + len(part)))
         tokens.extend(part)
-        mask.extend([is_target] * len(part))
     source = len(tokens)
-    tokens.extend([*target, eos_id])
-    mask.extend([True] * (len(target) + 1))
-    report = EncodeReport(
+    tokens.extend(target)
+    tokens.append(eos_id)
+    spans.append((source, len(tokens)))
+    return _judge(
+        tokens,
+        spans,
+        sequence_length,
+        eos_id,
         kind=kind,
         part_tokens=part_tokens if part_tokens is not None else tuple(len(p) for p, _ in parts),
         source_tokens=source + tokens_trimmed,
-        target_tokens=len(target),
         total_tokens=total_before if total_before is not None else len(tokens),
         dropped_segments=dropped,
         trimmed_segments=trimmed,
         tokens_trimmed=tokens_trimmed,
     )
-    return _judge(tokens, mask, report, sequence_length, eos_id)
 
 
 def _finish_chat(
@@ -200,34 +224,44 @@ def _finish_chat(
     sequence_length: int | None,
     eos_id: int,
 ) -> Encoded:
-    tokens = [t for p, _ in parts for t in p]
-    mask = [m for p, m in parts for _ in p]
-    targets = sum(len(p) for p, m in parts if m)
-    assistants = sum(1 for _, m in parts if m)
-    report = EncodeReport(
+    tokens: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for part, is_target in parts:
+        if is_target:
+            spans.append((len(tokens), len(tokens) + len(part)))
+        tokens.extend(part)
+    targets = sum(end - start for start, end in spans)
+    return _judge(
+        tokens,
+        spans,
+        sequence_length,
+        eos_id,
         kind="chat",
         part_tokens=part_tokens,
         source_tokens=len(tokens) - targets,
-        target_tokens=targets - assistants,  # without each turn's EOS
         total_tokens=len(tokens),
     )
-    return _judge(tokens, mask, report, sequence_length, eos_id)
 
 
 def _judge(
     tokens: list[int],
-    mask: list[bool],
-    report: EncodeReport,
+    spans: list[tuple[int, int]],
     sequence_length: int | None,
     eos_id: int,
+    **report: Any,
 ) -> Encoded:
+    """The record's ids, its loss mask (True over the target `spans`) and its report, whose
+    remaining fields are `report`. Built from spans, not a per-token list: this runs once per
+    record of every corpus a store is built from."""
     ids = np.array(tokens, np.int32)
-    loss_mask = np.array(mask, bool)
+    loss_mask = np.zeros(len(tokens), bool)
+    for start, end in spans:
+        loss_mask[start:end] = True
     if len(loss_mask):
         loss_mask[0] = False  # nothing predicts the first token
     # What the loss really applies to, EOS aside: a target whose only token opens the record
     # (an empty source) trains nothing but the EOS, as an empty target does.
-    trained = int((loss_mask & (ids != eos_id)).sum())
+    trained = int(np.count_nonzero(loss_mask & (ids != eos_id)))
     reason = None
     limit = None if sequence_length is None else sequence_length + 1
     fits = limit is None or len(tokens) <= limit
@@ -235,10 +269,10 @@ def _judge(
         reason = ZERO_TARGET
     elif not fits:
         assert limit is not None
-        reason = too_long(len(tokens), int(loss_mask.sum()), limit)
-    # One copy of the report (a measurable share of encoding a large supervised corpus).
-    report = replace(report, target_tokens=trained, fits=fits, reason=reason)
-    return Encoded(ids, loss_mask, report)
+        reason = too_long(len(tokens), int(np.count_nonzero(loss_mask)), limit)
+    return Encoded(
+        ids, loss_mask, EncodeReport(**report, target_tokens=trained, fits=fits, reason=reason)
+    )
 
 
 ZERO_TARGET = "no target tokens (an empty target trains nothing but the EOS)"

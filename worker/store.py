@@ -50,9 +50,10 @@ from contracts.jobs import PreparedStore, PrepareRequest
 from contracts.reports import Claim
 from contracts.signature import sha256_file
 from contracts.workflow import ENCODER_VERSION
-from worker.encode import Encoded, encode_records
+from worker.encode import Encoded, assemble, tokenize
 from worker.error import DataError
 from worker.files import fsync_dir, fsync_file
+from worker.model import special_token_ids
 from worker.records import ELASTIC, Record, iter_records
 
 log = logging.getLogger(__name__)
@@ -303,22 +304,24 @@ class Columns:
     def rows(
         self, records: Sequence[Record], encoded: Sequence[Encoded], first: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        out = np.zeros(len(records), RECORD_DTYPE)
+        rows = []
         segments = []
         for i, (record, enc) in enumerate(zip(records, encoded, strict=True)):
             report = enc.report
-            out[i] = (
-                record.line,
-                KINDS.index(record.kind),
-                report.fits,
-                report.zero_target,
-                report.source_tokens,
-                report.target_tokens,
-                report.total_tokens,
-                report.tokens_trimmed,
-                len(report.dropped_segments),
-                len(report.trimmed_segments),
-                record_key(record),
+            rows.append(
+                (
+                    record.line,
+                    KINDS.index(record.kind),
+                    report.fits,
+                    report.zero_target,
+                    report.source_tokens,
+                    report.target_tokens,
+                    report.total_tokens,
+                    report.tokens_trimmed,
+                    len(report.dropped_segments),
+                    len(report.trimmed_segments),
+                    record_key(record),
+                )
             )
             for s, segment in enumerate(record.segments):
                 role = self.roles.setdefault(segment.role, len(self.roles))
@@ -331,7 +334,8 @@ class Columns:
                     else KEPT
                 )
                 segments.append((first + i, role, elastic, fate))
-        return out, np.array(segments, SEGMENT_DTYPE)
+        # Built from tuples at once: a row assigned at a time cost more than the encoding.
+        return np.array(rows, RECORD_DTYPE), np.array(segments, SEGMENT_DTYPE)
 
 
 def _build(
@@ -369,22 +373,29 @@ def _build(
         tokens += int(lengths.sum())
 
     # A pipeline of two: while the tokenizer (native code, off the GIL, on every core) encodes
-    # one batch, this thread reads and parses the next and writes the one before.
+    # one batch, this thread reads and parses the next, and assembles and writes the one
+    # before (the Python half of the encoder: on the encoding thread it left the tokenizer
+    # waiting, a third of the time of short supervised records).
+    eos_id, _ = special_token_ids(tokenizer)
+
+    def finish(batch: list[Record], pieces: Future[list[list[list[int]]]]) -> None:
+        write(batch, assemble(batch, pieces.result(), eos_id, key.fit))
+
     try:
         files["offsets.bin"].write(np.zeros(1, "<i8").tobytes())
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as encoder:
-            previous: tuple[list[Record], Future[list[Encoded]]] | None = None
+            previous: tuple[list[Record], Future[list[list[list[int]]]]] | None = None
             for batch, at in _batches(path):
-                future = encoder.submit(encode_records, tokenizer, batch, sequence_length=key.fit)
+                future = encoder.submit(tokenize, tokenizer, batch)
                 if previous is not None:
-                    write(previous[0], previous[1].result())
+                    finish(*previous)
                 previous = (batch, future)
                 if progress is not None:
                     progress()
                 if fraction is not None:
                     fraction(min(at / size, 0.999))
             if previous is not None:
-                write(previous[0], previous[1].result())
+                finish(*previous)
         files["mask.bin"].write(np.packbits(pending, bitorder="little").tobytes())
         if fraction is not None:
             fraction(1.0)
