@@ -30,8 +30,8 @@ from tokenizers import Tokenizer
 
 from contracts.jobs import InspectionReport
 from contracts.workflow import Phase, SourceGeometry
-from worker.encode import ZERO_TARGET, too_long
 from worker.error import DataError
+from worker.inspect import summarize_store
 from worker.model import special_token_ids
 from worker.store import KINDS, Stores, TokenFile
 
@@ -241,8 +241,6 @@ def load_phase_data(
     if stores is None:
         with Stores.temporary(tokenizer, progress=progress) as temporary:
             return load_phase_data(phase, tokenizer, progress, stores=temporary)
-    from worker.inspect import summarize_store
-
     _, pad_id = special_token_ids(tokenizer)
     sources: list[TextSource | RecordSource] = []
     reports = []
@@ -286,12 +284,10 @@ def load_phase_data(
 
 
 def _require_kind(store: TokenFile, text: bool, geometry: SourceGeometry, phase: Phase) -> None:
-    kinds = store.kinds()
-    wrong = np.flatnonzero((kinds == KINDS.index("text")) != text)
-    if not wrong.size:
+    first = store.first_of_other_kind(text)
+    if first is None:
         return
-    first = int(wrong[0])
-    kind, line = KINDS[kinds[first]], int(store.records["line"][first])
+    kind, line = KINDS[store.kinds()[first]], int(store.records["line"][first])
     if text:
         raise DataError(
             f"{geometry.path}:{line}: a {kind} record in source {geometry.name!r} of phase "
@@ -305,18 +301,9 @@ def _require_kind(store: TokenFile, text: bool, geometry: SourceGeometry, phase:
     )
 
 
-def unusable_reason(store: TokenFile, i: int, limit: int | None) -> str:
-    """Why record i of a store cannot be trained on, in the words of the encoder."""
-    row = store.records[i]
-    if row["zero_target"]:
-        return ZERO_TARGET
-    ids, mask = store.record(i)
-    return too_long(len(ids), int(mask.sum()), limit if limit is not None else len(ids) - 1)
-
-
 def _refuse_unusable(store: TokenFile, geometry: SourceGeometry, phase: Phase) -> None:
     records = store.records
-    bad = np.flatnonzero(~records["fits"] | records["zero_target"])
+    bad = np.flatnonzero(~store.usable())
     if not bad.size:
         return
     first = int(bad[0])
@@ -327,7 +314,7 @@ def _refuse_unusable(store: TokenFile, geometry: SourceGeometry, phase: Phase) -
         if not fits
         else "remove it or give it a target"
     )
-    reason = unusable_reason(store, first, geometry.sequence_length + 1)
+    reason = store.unusable_reason(first, geometry.sequence_length + 1)
     raise DataError(
         f"{geometry.path}:{int(records['line'][first])}: {KINDS[records['kind'][first]]} record "
         f"{reason} (source {geometry.name!r}, sequence_length {geometry.sequence_length}, phase "

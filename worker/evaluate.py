@@ -59,14 +59,13 @@ def load_eval_data(
     _, pad_id = special_token_ids(tokenizer)
     text = spec.task == "continued_pretrain"
     store = stores.get(spec.data, fit=None if text else sequence_length)
-    kinds = store.kinds()
-    wrong = np.flatnonzero((kinds == KINDS.index("text")) != text)
-    if wrong.size:
-        first = int(wrong[0])
+    first = store.first_of_other_kind(text)
+    if first is not None:
         wants = "text" if text else "supervised records"
         raise DataError(
-            f"{spec.data}:{int(store.records['line'][first])}: a {KINDS[kinds[first]]} record "
-            f"in the eval data of task {spec.task!r}, which reads {wants}"
+            f"{spec.data}:{int(store.records['line'][first])}: a "
+            f"{KINDS[store.kinds()[first]]} record in the eval data of task {spec.task!r}, "
+            f"which reads {wants}"
         )
     if text:
         tokens = store.ids

@@ -24,7 +24,6 @@ from contracts.jobs import (
     SegmentSurvival,
 )
 from contracts.workflow import Objective
-from worker.data import unusable_reason
 from worker.encode import Encoded
 from worker.model import load_tokenizer
 from worker.records import ELASTIC, Record, read_lines
@@ -52,15 +51,8 @@ def inspect_file(
         store, objective=request.objective, sequence_length=request.sequence_length
     )
     if write_fit is not None:
-        records = store.records
-        trainable = (
-            records["kind"] == KINDS.index("text")
-            if text
-            else (records["kind"] != KINDS.index("text"))
-            & records["fits"]
-            & ~records["zero_target"]
-        )
-        lines = np.asarray(records["line"][trainable])
+        trainable = store.is_text() if text else store.usable()
+        lines = np.asarray(store.records["line"][trainable])
         written = _write_lines(Path(write_fit), _lines_numbered(request.path, lines))
         report = report.model_copy(update={"fit_path": str(write_fit), "fit_written": written})
     return report
@@ -111,7 +103,7 @@ def summarize_store(
         segments=store.segments,
         roles=store.roles,
         lengths=store.lengths(),
-        reason=lambda i: unusable_reason(store, i, limit),
+        reason=lambda i: store.unusable_reason(i, limit),
         objective=objective,
         sequence_length=sequence_length,
     )

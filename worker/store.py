@@ -50,7 +50,7 @@ from contracts.jobs import PreparedStore, PrepareRequest
 from contracts.reports import Claim
 from contracts.signature import sha256_file
 from contracts.workflow import ENCODER_VERSION
-from worker.encode import Encoded, assemble, tokenize
+from worker.encode import ZERO_TARGET, Encoded, assemble, tokenize, too_long
 from worker.error import DataError
 from worker.files import fsync_dir, fsync_file
 from worker.model import special_token_ids
@@ -188,6 +188,27 @@ class TokenFile:
     def kinds(self) -> np.ndarray:
         return np.asarray(self.records["kind"])
 
+    def is_text(self) -> np.ndarray:
+        """True for each text record (bool per record)."""
+        return self.kinds() == KINDS.index("text")
+
+    def first_of_other_kind(self, text: bool) -> int | None:
+        """The first record that is not text (`text`) or is text (not `text`), if any."""
+        other = np.flatnonzero(self.is_text() != text)
+        return int(other[0]) if other.size else None
+
+    def usable(self) -> np.ndarray:
+        """True for each supervised record that training takes: it fits and has targets."""
+        records = self.records
+        return ~self.is_text() & records["fits"] & ~records["zero_target"]
+
+    def unusable_reason(self, i: int, limit: int | None) -> str:
+        """Why record i cannot be trained on, in the words of the encoder."""
+        if self.records["zero_target"][i]:
+            return ZERO_TARGET
+        ids, mask = self.record(i)
+        return too_long(len(ids), int(mask.sum()), limit if limit is not None else len(ids) - 1)
+
 
 def open_store(directory: Path, key: StoreKey) -> TokenFile:
     """The store at `directory` if it is complete and built for `key`; DataError otherwise."""
@@ -214,19 +235,19 @@ def ensure_store(
     *,
     progress: Callable[[], None] | None = None,
     fraction: Callable[[float], None] | None = None,
-) -> TokenFile:
-    """The store of `path` under `root`, built first if it is missing. `progress` is called as
-    the build (or the wait for another builder) goes on; `fraction` with the share of the file
-    read so far."""
+) -> tuple[TokenFile, bool]:
+    """The store of `path` under `root`, built first if it is missing, and whether this call
+    built it. `progress` is called as the build (or the wait for another builder) goes on;
+    `fraction` with the share of the file read so far."""
     final = root / key.name
     if (final / META).exists():
         with contextlib.suppress(DataError):
-            return open_store(final, key)
+            return open_store(final, key), False
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{key.name}.lock", progress):
-        if (final / META).exists():  # another builder finished while this one waited
+        if final.exists():  # another builder finished while this one waited, or it is damaged
             try:
-                return open_store(final, key)
+                return open_store(final, key), False
             except DataError as err:
                 log.warning("%s; moving it aside and building it again", err)
                 final.rename(root / f".broken-{key.name}-{uuid.uuid4().hex[:8]}")
@@ -254,7 +275,7 @@ def ensure_store(
             store.tokens,
             time.perf_counter() - started,
         )
-        return store
+        return store, True
 
 
 @contextlib.contextmanager
@@ -472,6 +493,12 @@ class Stores:
             yield cls(Path(root), tokenizer, progress=progress)
 
     def key(self, path: str, fit: int | None) -> StoreKey:
+        """The key of `path`'s store at `fit`; a missing file is named here, before the digest
+        would stat nothing."""
+        if not Path(path).is_file():
+            raise DataError(
+                f"{path}: file not found" if not Path(path).exists() else f"{path}: not a file"
+            )
         sha = self._digests.get(path)
         if sha is None:
             sha = cached_sha256(path, self.root, self._progress)
@@ -479,15 +506,16 @@ class Stores:
         return StoreKey(file_sha256=sha, tokenizer_sha256=self.tokenizer_sha256, fit=fit)
 
     def get(self, path: str, fit: int | None) -> TokenFile:
-        if not Path(path).is_file():
-            raise DataError(
-                f"{path}: file not found" if not Path(path).exists() else f"{path}: not a file"
-            )
+        return self.open(path, fit)[0]
+
+    def open(self, path: str, fit: int | None) -> tuple[TokenFile, bool]:
+        """`get`, and whether this call built the store."""
+        key = self.key(path, fit)
         fraction = self._fraction
         return ensure_store(
             path,
             self.tokenizer,
-            self.key(path, fit),
+            key,
             self.root,
             progress=self._progress,
             fraction=None if fraction is None else (lambda share: fraction(path, share)),
@@ -527,16 +555,7 @@ def prepare_file(request: PrepareRequest, stores: Stores) -> PreparedStore:
     sequence_length would build before its first step (same key: the phase maps it), built now
     unless a complete one is there already. Memory is the build's: ENCODE_BATCH records."""
     started = time.perf_counter()
-    path = Path(request.path)
-    if not path.is_file():  # as Stores.get says it, before the digest would stat nothing
-        raise DataError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
-    key = stores.key(request.path, request.fit)
-    try:
-        open_store(stores.root / key.name, key)
-        built = False
-    except DataError:  # missing, half-built or damaged: `get` builds it
-        built = True
-    store = stores.get(request.path, request.fit)
+    store, built = stores.open(request.path, request.fit)
     return PreparedStore(
         path=request.path,
         store=str(store.path),

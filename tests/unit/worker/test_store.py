@@ -46,7 +46,7 @@ def key_for(path: Path, tokenizer: Tokenizer, fit: int | None) -> StoreKey:
 def build(
     path: Path, tokenizer: Tokenizer, root: Path, fit: int | None = SEQ, **kw: Any
 ) -> TokenFile:
-    return ensure_store(str(path), tokenizer, key_for(path, tokenizer, fit), root, **kw)
+    return ensure_store(str(path), tokenizer, key_for(path, tokenizer, fit), root, **kw)[0]
 
 
 @pytest.fixture
@@ -131,12 +131,14 @@ def test_two_builders_of_one_store_build_it_once(
         real(*a, **kw)
 
     monkeypatch.setattr(store_module, "_build", slow)
-    root, opened = tmp_path / "tokens", []
+    root = tmp_path / "tokens"
+    key = key_for(mixed, tokenizer, SEQ)
+    opened: list[tuple[TokenFile, bool]] = []
     waited: list[int] = []
     threads = [
         threading.Thread(
             target=lambda: opened.append(
-                build(mixed, tokenizer, root, progress=lambda: waited.append(1))
+                ensure_store(str(mixed), tokenizer, key, root, progress=lambda: waited.append(1))
             )
         )
         for _ in range(2)
@@ -146,7 +148,8 @@ def test_two_builders_of_one_store_build_it_once(
     for thread in threads:
         thread.join()
     assert len(builds) == 1
-    assert len(opened) == 2 and opened[0].path == opened[1].path
+    assert len(opened) == 2 and opened[0][0].path == opened[1][0].path
+    assert sorted(built for _, built in opened) == [False, True], "one built, one opened"
     assert waited, "the builder that waited said it was not hung"
 
 
