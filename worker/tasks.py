@@ -76,37 +76,25 @@ def _run_job(kind: JobKind, job_id: str, request: dict[str, Any]) -> None:
 
 # Jobs: a failure of the work is the job's outcome (posted, never retried); only a service that
 # cannot be reached is retried, boundedly, as for run_phase.
-@app.task(
-    name=INSPECT_DATASET_TASK,
-    shared=False,
-    autoretry_for=(ServiceUnavailable,),
-    retry_backoff=30,
-    retry_backoff_max=600,
-    max_retries=8,
-)
+_JOB_TASK: dict[str, Any] = {
+    "shared": False,
+    "autoretry_for": (ServiceUnavailable,),
+    "retry_backoff": 30,
+    "retry_backoff_max": 600,
+    "max_retries": 8,
+}
+
+
+@app.task(name=INSPECT_DATASET_TASK, **_JOB_TASK)
 def inspect_dataset(job_id: str, request: dict[str, Any]) -> None:
     _run_job("inspection", job_id, request)
 
 
-@app.task(
-    name=PREPARE_DATASET_TASK,
-    shared=False,
-    autoretry_for=(ServiceUnavailable,),
-    retry_backoff=30,
-    retry_backoff_max=600,
-    max_retries=8,
-)
+@app.task(name=PREPARE_DATASET_TASK, **_JOB_TASK)
 def prepare_dataset(job_id: str, request: dict[str, Any]) -> None:
     _run_job("preparation", job_id, request)
 
 
-@app.task(
-    name=EVALUATE_CHECKPOINT_TASK,
-    shared=False,
-    autoretry_for=(ServiceUnavailable,),
-    retry_backoff=30,
-    retry_backoff_max=600,
-    max_retries=8,
-)
+@app.task(name=EVALUATE_CHECKPOINT_TASK, **_JOB_TASK)
 def evaluate_checkpoint(job_id: str, request: dict[str, Any]) -> None:
     _run_job("evaluation", job_id, request)
