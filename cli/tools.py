@@ -53,19 +53,35 @@ def _path(path: Path, remote: bool) -> str:
     return str(path) if remote else str(path.resolve())
 
 
+def _local_store_root() -> Path:
+    """Where local tools keep token stores: the embedded service's artifact store
+    (TRAINCTL_ARTIFACT_ROOT, default ~/.trainctl/artifacts), as its workers do, so a file
+    inspected, prepared or evaluated here is not tokenized again by a run."""
+    from worker.settings import WorkerSettings
+    from worker.store import store_root
+
+    return store_root(WorkerSettings().artifact_root)
+
+
+# The arguments of a data file as a phase reads it (`data inspect`, `data prepare`).
+DataFileArg = Annotated[Path, typer.Argument(help="JSONL or plain-text data file (.zst too).")]
+DataTokenizerOpt = Annotated[
+    Path, typer.Option(help="tokenizer.json (or a folder holding one), as in the workflow.")
+]
+ObjectiveOpt = Annotated[
+    Objective, typer.Option(help="continued_pretrain reads text; the others supervised records.")
+]
+SequenceLengthOpt = Annotated[
+    int, typer.Option(min=1, help="The phase's (or source's) sequence_length.")
+]
+
+
 @data_app.command("inspect")
 def data_inspect(
-    file: Annotated[Path, typer.Argument(help="JSONL or plain-text data file (.zst too).")],
-    tokenizer: Annotated[
-        Path, typer.Option(help="tokenizer.json (or a folder holding one), as in the workflow.")
-    ],
-    objective: Annotated[
-        Objective,
-        typer.Option(help="continued_pretrain reads text; the others supervised records."),
-    ],
-    sequence_length: Annotated[
-        int, typer.Option(min=1, help="The phase's (or source's) sequence_length.")
-    ],
+    file: DataFileArg,
+    tokenizer: DataTokenizerOpt,
+    objective: ObjectiveOpt,
+    sequence_length: SequenceLengthOpt,
     write_fit: Annotated[
         Path | None,
         typer.Option(
@@ -99,8 +115,16 @@ def data_inspect(
         report = InspectionReport.model_validate(job["result"])
     else:
         from worker.inspect import inspect_file
+        from worker.model import load_tokenizer
+        from worker.store import Stores
 
-        report = local(lambda: inspect_file(request, write_fit=write_fit))
+        report = local(
+            lambda: inspect_file(
+                request,
+                write_fit=write_fit,
+                stores=Stores(_local_store_root(), load_tokenizer(request.tokenizer)),
+            )
+        )
     if as_json:
         print(report.model_dump_json(indent=2))
     else:
@@ -111,17 +135,10 @@ def data_inspect(
 
 @data_app.command("prepare")
 def data_prepare(
-    file: Annotated[Path, typer.Argument(help="JSONL or plain-text data file (.zst too).")],
-    tokenizer: Annotated[
-        Path, typer.Option(help="tokenizer.json (or a folder holding one), as in the workflow.")
-    ],
-    objective: Annotated[
-        Objective,
-        typer.Option(help="continued_pretrain reads text; the others supervised records."),
-    ],
-    sequence_length: Annotated[
-        int, typer.Option(min=1, help="The phase's (or source's) sequence_length.")
-    ],
+    file: DataFileArg,
+    tokenizer: DataTokenizerOpt,
+    objective: ObjectiveOpt,
+    sequence_length: SequenceLengthOpt,
     remote: RemoteOpt = False,
     timeout: TimeoutOpt = 3600,
     as_json: JsonOpt = False,
@@ -146,12 +163,12 @@ def data_prepare(
         prepared = PreparedStore.model_validate(job["result"])
     else:
         from worker.model import load_tokenizer
-        from worker.settings import WorkerSettings
-        from worker.store import Stores, prepare_file, store_root
+        from worker.store import Stores, prepare_file
 
-        root = store_root(WorkerSettings().artifact_root)
         prepared = local(
-            lambda: prepare_file(request, Stores(root, load_tokenizer(request.tokenizer)))
+            lambda: prepare_file(
+                request, Stores(_local_store_root(), load_tokenizer(request.tokenizer))
+            )
         )
     if as_json:
         print(prepared.model_dump_json(indent=2))
@@ -300,7 +317,7 @@ def eval_checkpoint(
     else:
         from worker.evaluate import evaluate_checkpoint_sets
 
-        results = local(lambda: evaluate_checkpoint_sets(requests))
+        results = local(lambda: evaluate_checkpoint_sets(requests, store_root=_local_store_root()))
     if workflow is not None:
         if as_json:
             print(json.dumps([r.model_dump(mode="json") for r in results], indent=2))

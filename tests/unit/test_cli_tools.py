@@ -43,10 +43,23 @@ def inspect_args(
     ]
 
 
-def test_inspect_reports_what_training_would_refuse_and_exits_1(tmp_path: Path) -> None:
+@pytest.fixture(autouse=True)
+def home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The local tools keep token stores under the embedded service's artifact store: a home
+    of the test's own, not the machine's ~/.trainctl."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("TRAINCTL_HOME", str(home))
+    monkeypatch.delenv("TRAINCTL_ARTIFACT_ROOT", raising=False)
+    return home
+
+
+def test_inspect_reports_what_training_would_refuse_and_exits_1(tmp_path: Path, home: Path) -> None:
     path = write_jsonl(tmp_path / "qa.jsonl", [SHORT, LONG, SHORT, EMPTY])
     result = runner.invoke(app, inspect_args(path, "--json"))
     assert result.exit_code == 1, result.output
+    # The store it read is the one a run on the embedded stack maps (fit to 32 positions).
+    stores = [meta.parent.name for meta in (home / "artifacts" / "tokens").glob("*/meta.json")]
+    assert [name.rsplit("-", 1)[1] for name in stores] == ["fit32"]
     report = json.loads(result.stdout)
     assert (report["records"], report["fit"], report["refused"]) == (4, 2, 1)
     assert (report["zero_target"], report["duplicates"]) == (1, 1)
