@@ -19,6 +19,7 @@ what does not fit is reported (`fits` false, with the lengths), and the caller r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,111 @@ def assemble(
         _assemble(record, ids, eos_id, sequence_length)
         for record, ids in zip(records, pieces, strict=True)
     ]
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """Records encoded back to back, as columns: what a token store keeps of them. Record i
+    is ids[starts[i]:starts[i] + lengths[i]]; the report fields are one array each."""
+
+    ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # bool, aligned with ids
+    lengths: np.ndarray  # int64, ids per record
+    fits: np.ndarray  # bool
+    zero_target: np.ndarray  # bool
+    source_tokens: np.ndarray  # int64, as EncodeReport
+    target_tokens: np.ndarray
+    total_tokens: np.ndarray
+    tokens_trimmed: np.ndarray
+    # Per record, the indices of its segments that fitting dropped and trimmed.
+    dropped_segments: Sequence[tuple[int, ...]]
+    trimmed_segments: Sequence[tuple[int, ...]]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def of(cls, encoded: Sequence[Encoded]) -> EncodedBatch:
+        """The columns of records encoded one by one."""
+
+        def column(field: str) -> np.ndarray:
+            return np.fromiter((getattr(e.report, field) for e in encoded), np.int64, len(encoded))
+
+        return cls(
+            ids=np.concatenate([np.zeros(0, np.int32), *(e.ids for e in encoded)]),
+            loss_mask=np.concatenate([np.zeros(0, bool), *(e.loss_mask for e in encoded)]),
+            lengths=np.fromiter((len(e.ids) for e in encoded), np.int64, len(encoded)),
+            fits=np.fromiter((e.report.fits for e in encoded), bool, len(encoded)),
+            zero_target=np.fromiter((e.report.zero_target for e in encoded), bool, len(encoded)),
+            source_tokens=column("source_tokens"),
+            target_tokens=column("target_tokens"),
+            total_tokens=column("total_tokens"),
+            tokens_trimmed=column("tokens_trimmed"),
+            dropped_segments=[e.report.dropped_segments for e in encoded],
+            trimmed_segments=[e.report.trimmed_segments for e in encoded],
+        )
+
+
+def assemble_batch(
+    records: Sequence[Record],
+    pieces: Sequence[list[list[int]]],
+    eos_id: int,
+    sequence_length: int | None,
+) -> EncodedBatch:
+    """`assemble` as columns, for a token store: the same ids, masks and reports as
+    `EncodedBatch.of(assemble(...))` (a test holds them equal). Text and pairs, the bulk of
+    any large corpus, are assembled a batch at a time: a record by record Python loop left
+    the tokenizer waiting on small cores. Chats and segmented records go one by one."""
+    if not all(r.kind in _COLUMNAR for r in records):
+        return EncodedBatch.of(assemble(records, pieces, eos_id, sequence_length))
+    n = len(records)
+    text = np.fromiter((r.kind == "text" for r in records), bool, n)
+    # A text is a pair with no source: its target is everything, EOS included.
+    source = np.fromiter(
+        (0 if r.kind == "text" else len(p[0]) for r, p in zip(records, pieces, strict=True)),
+        np.int64,
+        n,
+    )
+    target = np.fromiter((len(p[-1]) for p in pieces), np.int64, n)
+    lengths = source + target + 1
+    eos = [eos_id]
+    ids = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain(*p, eos) for p in pieces),
+        np.int32,
+        int(lengths.sum()),
+    )
+    # Each record's mask: its source False, its target and EOS True; then its first id False
+    # (nothing predicts it).
+    loss_mask = np.repeat(
+        np.tile(np.array([False, True]), n), np.stack([source, target + 1], 1).ravel()
+    )
+    starts = np.cumsum(lengths) - lengths
+    loss_mask[starts] = False
+    # What the loss really applies to, EOS aside (as `_judge` counts it).
+    trained = (
+        np.add.reduceat((loss_mask & (ids != eos_id)).astype(np.int64), starts)
+        if n
+        else np.zeros(0, np.int64)
+    )
+    fits = np.ones(n, bool) if sequence_length is None else lengths <= sequence_length + 1
+    target_tokens = np.where(text, target, trained).astype(np.int64)
+    none: list[tuple[int, ...]] = [()] * n
+    return EncodedBatch(
+        ids=ids,
+        loss_mask=loss_mask,
+        lengths=lengths,
+        fits=fits | text,  # a text is cut into windows, never refused
+        zero_target=target_tokens == 0,
+        source_tokens=source,
+        target_tokens=target_tokens,
+        total_tokens=lengths,
+        tokens_trimmed=np.zeros(n, np.int64),
+        dropped_segments=none,
+        trimmed_segments=none,
+    )
+
+
+_COLUMNAR = frozenset({"text", "pair"})
 
 
 def encode_record(tokenizer: Tokenizer, record: Record, *, sequence_length: int | None) -> Encoded:

@@ -24,7 +24,7 @@ from contracts.jobs import (
     SegmentSurvival,
 )
 from contracts.workflow import Objective
-from worker.encode import Encoded
+from worker.encode import Encoded, EncodedBatch
 from worker.model import load_tokenizer
 from worker.records import ELASTIC, Record, read_lines
 from worker.store import DROPPED, KEPT, KINDS, TRIMMED, Columns, Stores, TokenFile
@@ -79,7 +79,7 @@ def summarize(
 ) -> InspectionReport:
     """The report of records encoded in memory: the store's columns, made here."""
     columns = Columns()
-    rows, segments = columns.rows(records, encoded, 0)
+    rows, segments = columns.rows(records, EncodedBatch.of(encoded), 0)
     return _summarize(
         path=records[0].path if records else "",
         rows=rows,

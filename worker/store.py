@@ -50,7 +50,7 @@ from contracts.jobs import PreparedStore, PrepareRequest
 from contracts.reports import Claim
 from contracts.signature import sha256_file
 from contracts.workflow import ENCODER_VERSION
-from worker.encode import ZERO_TARGET, Encoded, assemble, tokenize, too_long
+from worker.encode import ZERO_TARGET, EncodedBatch, assemble_batch, tokenize, too_long
 from worker.error import DataError
 from worker.files import fsync_dir, fsync_file
 from worker.model import special_token_ids
@@ -68,6 +68,7 @@ ENCODE_BATCH = 4096
 ENCODE_BYTES = 2**20
 
 KINDS: tuple[str, ...] = ("text", "pair", "chat", "segmented")
+_KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
 RECORD_DTYPE = np.dtype(
     [
         ("line", "<i8"),
@@ -323,40 +324,31 @@ class Columns:
         self.roles: dict[str, int] = {}
 
     def rows(
-        self, records: Sequence[Record], encoded: Sequence[Encoded], first: int
+        self, records: Sequence[Record], batch: EncodedBatch, first: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        rows = []
+        """The rows of `records` (encoded as `batch`), the first of which is record `first`."""
+        n = len(records)
+        rows = np.empty(n, RECORD_DTYPE)
+        rows["line"] = np.fromiter((r.line for r in records), np.int64, n)
+        rows["kind"] = np.fromiter((_KIND_INDEX[r.kind] for r in records), np.uint8, n)
+        rows["fits"] = batch.fits
+        rows["zero_target"] = batch.zero_target
+        rows["source_tokens"] = batch.source_tokens
+        rows["target_tokens"] = batch.target_tokens
+        rows["total_tokens"] = batch.total_tokens
+        rows["tokens_trimmed"] = batch.tokens_trimmed
+        rows["segments_dropped"] = np.fromiter(map(len, batch.dropped_segments), np.int32, n)
+        rows["segments_trimmed"] = np.fromiter(map(len, batch.trimmed_segments), np.int32, n)
+        rows["key"] = np.fromiter(map(record_key, records), np.uint64, n)
         segments = []
-        for i, (record, enc) in enumerate(zip(records, encoded, strict=True)):
-            report = enc.report
-            rows.append(
-                (
-                    record.line,
-                    KINDS.index(record.kind),
-                    report.fits,
-                    report.zero_target,
-                    report.source_tokens,
-                    report.target_tokens,
-                    report.total_tokens,
-                    report.tokens_trimmed,
-                    len(report.dropped_segments),
-                    len(report.trimmed_segments),
-                    record_key(record),
-                )
-            )
+        for i, record in enumerate(records):
+            dropped, trimmed = batch.dropped_segments[i], batch.trimmed_segments[i]
             for s, segment in enumerate(record.segments):
                 role = self.roles.setdefault(segment.role, len(self.roles))
                 elastic = 0 if segment.elastic is None else 1 + ELASTIC.index(segment.elastic)
-                fate = (
-                    DROPPED
-                    if s in report.dropped_segments
-                    else TRIMMED
-                    if s in report.trimmed_segments
-                    else KEPT
-                )
+                fate = DROPPED if s in dropped else TRIMMED if s in trimmed else KEPT
                 segments.append((first + i, role, elastic, fate))
-        # Built from tuples at once: a row assigned at a time cost more than the encoding.
-        return np.array(rows, RECORD_DTYPE), np.array(segments, SEGMENT_DTYPE)
+        return rows, np.array(segments, SEGMENT_DTYPE)
 
 
 def _build(
@@ -377,13 +369,11 @@ def _build(
     pending = np.zeros(0, bool)  # mask bits not yet a whole byte
     files: dict[str, IO[bytes]] = {name: open(tmp / name, "wb") for name in _FILES}  # noqa: SIM115
 
-    def write(batch: list[Record], encoded: list[Encoded]) -> None:
+    def write(batch: list[Record], encoded: EncodedBatch) -> None:
         nonlocal count, tokens, pending
-        lengths = np.fromiter((len(e.ids) for e in encoded), np.int64, len(encoded))
-        ids = np.concatenate([e.ids for e in encoded])
-        files["ids.bin"].write(ids.astype(dtype).tobytes())
-        files["offsets.bin"].write((tokens + np.cumsum(lengths)).astype("<i8").tobytes())
-        masks = np.concatenate([pending, *(e.loss_mask for e in encoded)])
+        files["ids.bin"].write(encoded.ids.astype(dtype).tobytes())
+        files["offsets.bin"].write((tokens + np.cumsum(encoded.lengths)).astype("<i8").tobytes())
+        masks = np.concatenate([pending, encoded.loss_mask])
         whole = len(masks) // 8 * 8
         files["mask.bin"].write(np.packbits(masks[:whole], bitorder="little").tobytes())
         pending = masks[whole:]
@@ -391,7 +381,7 @@ def _build(
         files["records.bin"].write(rows.tobytes())
         files["segments.bin"].write(segments.tobytes())
         count += len(batch)
-        tokens += int(lengths.sum())
+        tokens += int(encoded.lengths.sum())
 
     # A pipeline of two: while the tokenizer (native code, off the GIL, on every core) encodes
     # one batch, this thread reads and parses the next, and assembles and writes the one
@@ -400,7 +390,7 @@ def _build(
     eos_id, _ = special_token_ids(tokenizer)
 
     def finish(batch: list[Record], pieces: Future[list[list[list[int]]]]) -> None:
-        write(batch, assemble(batch, pieces.result(), eos_id, key.fit))
+        write(batch, assemble_batch(batch, pieces.result(), eos_id, key.fit))
 
     try:
         files["offsets.bin"].write(np.zeros(1, "<i8").tobytes())
