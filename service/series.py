@@ -6,12 +6,27 @@ directly measured 3x faster than FastAPI's per-object encoding.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import CTE, ColumnElement, String, func, literal, select, union_all
+from sqlalchemy import (
+    CTE,
+    ColumnElement,
+    Float,
+    String,
+    Text,
+    case,
+    cast,
+    func,
+    literal,
+    select,
+    text,
+    union_all,
+)
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session, aliased
 
 from service.models import EvalResult, MetricPoint
@@ -59,6 +74,78 @@ def metric_columns(
     return out
 
 
+def dump_json(content: Any) -> bytes:
+    """`content` as JSON exactly as starlette's JSONResponse renders it."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+def metric_series_json(
+    *, session: Session, run_id: str, names: list[str] | None, max_points: int | None
+) -> bytes:
+    """`metric_columns` as the JSON body of GET /runs/{id}/metrics. On Postgres the database
+    writes each series' arrays as JSON text (array_to_json: float8 printed shortest-exact, as
+    Python's repr; non-finite values as null) and Python only joins them, never parsing or
+    encoding a point: for ten thinned series (7,830 points) that per-point Python was most
+    of the read (bench/RESULTS.md). Elsewhere (SQLite) `metric_columns` encoded by Python.
+    A number may be written differently (Postgres `3` where Python writes `3.0`); its value
+    is the same."""
+    if session.get_bind().dialect.name != "postgresql":
+        return dump_json(
+            metric_columns(session=session, run_id=run_id, names=names, max_points=max_points)
+        )
+    parts: list[str] = []
+    if max_points is None:
+        for name, steps, values in _full_series_json(session=session, run_id=run_id, names=names):
+            parts.append(f'{_key(name)}{{"steps":{steps},"values":{values}}}')
+    else:
+        thinned = _thin(
+            session=session, run_id=run_id, names=names, max_points=max_points, as_json=True
+        )
+        for name, s in thinned.items():
+            head, tail = _ends(s, max_points)
+            inner = ("[]", "[]") if s.kept is None else s.kept
+            assert isinstance(inner[0], str) and isinstance(inner[1], str)
+            steps = _join([p[0] for p in head], inner[0], [p[0] for p in tail])
+            values = _join(
+                [json_float(p[1]) for p in head], inner[1], [json_float(p[1]) for p in tail]
+            )
+            parts.append(f'{_key(name)}{{"steps":{steps},"values":{values}}}')
+    return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+
+def _key(name: str) -> str:
+    return json.dumps(name, ensure_ascii=False) + ":"
+
+
+def _join(head: list[Any], inner: str, tail: list[Any]) -> str:
+    """One JSON array: `head`'s items, those of the JSON array `inner`, `tail`'s items."""
+    items = [json.dumps(v, allow_nan=False) for v in head]
+    if inner != "[]":
+        items.append(inner[1:-1])
+    items += [json.dumps(v, allow_nan=False) for v in tail]
+    return "[" + ",".join(items) + "]"
+
+
+def _full_series_json(
+    *, session: Session, run_id: str, names: list[str] | None
+) -> list[tuple[str, str, str]]:
+    """Every point of each series (of `names` only, when given), by name: its steps and
+    values as JSON arrays written by Postgres, non-finite values as null."""
+    step, value = MetricPoint.step, MetricPoint.value
+    finite = case((func.abs(value) < literal(math.inf, Float), value))
+    query = select(
+        MetricPoint.name,
+        cast(func.array_to_json(func.array_agg(aggregate_order_by(step, step))), Text),
+        cast(func.array_to_json(func.array_agg(aggregate_order_by(finite, step))), Text),
+    ).where(MetricPoint.run_id == run_id)
+    if names:
+        query = query.where(MetricPoint.name.in_(names))
+    rows = session.execute(query.group_by(MetricPoint.name).order_by(MetricPoint.name)).all()
+    return [(name, steps, values) for name, steps, values in rows]
+
+
 def series_names(model: type[MetricPoint | EvalResult], run_id: str) -> CTE:
     """The names the run has rows of in `model`'s table (column `name`, then a NULL row to
     skip), by a skip scan of its primary key (run_id, name, step): one index seek per name,
@@ -93,6 +180,19 @@ def step_level() -> ColumnElement[int]:
 Point = tuple[int, float | None]
 # Points as two aligned columns, steps and values: a few lists, not a tuple per point.
 Columns = tuple[list[int], list[float | None]]
+# The same points as two JSON arrays written by Postgres (metric_series_json): never parsed.
+JsonColumns = tuple[str, str]
+
+
+@dataclass
+class _Found:
+    """What one read of a series at its level found: `count` rows (at most budget + 3, the
+    first and the last point may be among them), `inside` of them strictly between its first
+    and last point, and those inside points by step (`kept`)."""
+
+    count: int
+    inside: int
+    kept: Columns | JsonColumns
 
 
 @dataclass
@@ -106,23 +206,19 @@ class _Series:
     level: int = 0  # the level to read next
     fitted: int | None = None  # the finest level known to fit, whose points are `kept`
     overflowed: int | None = None  # the coarsest level known not to fit
-    kept: Columns = ([], [])
+    kept: Columns | JsonColumns | None = None
 
-    def read(self, read: Columns, budget: int) -> bool:
-        """Take the points read at `level` (at most budget + 3, in no order: the first and
-        the last point may be among them); True when another read is due."""
-        steps, values = read
-        inside = [i for i, step in enumerate(steps) if self.first[0] < step < self.last[0]]
-        if len(steps) == budget + 3 or len(inside) > budget:
+    def read(self, found: _Found, budget: int) -> bool:
+        """Take what a read at `level` found; True when another read is due."""
+        if found.count == budget + 3 or found.inside > budget:
             self.overflowed = self.level
             if self.fitted is None:
                 self.level += 1
                 return True
         else:
-            inside.sort(key=steps.__getitem__)
             self.fitted = self.level
-            self.kept = ([steps[i] for i in inside], [values[i] for i in inside])
-            if 2 * len(inside) > budget:
+            self.kept = found.kept
+            if 2 * found.inside > budget:
                 # Half the stride would about double the points: it would not fit (exactly so
                 # for a series with a point at every step), so no read is spent on it.
                 return False
@@ -152,6 +248,37 @@ def thin_series(
     read); otherwise a few more reads find the finest stride that fits (`_Series.read`). Each
     round is one statement for every series still open.
     """
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, s in _thin(
+        session=session, run_id=run_id, names=names, max_points=max_points, as_json=False
+    ).items():
+        head, tail = _ends(s, max_points)
+        steps, values = s.kept if s.kept is not None else ([], [])
+        assert isinstance(steps, list) and isinstance(values, list)
+        out[name] = {
+            "steps": [p[0] for p in head] + steps + [p[0] for p in tail],
+            "values": [
+                json_float(v) for v in [*(p[1] for p in head), *values, *(p[1] for p in tail)]
+            ],
+        }
+    return out
+
+
+def _ends(s: _Series, max_points: int) -> tuple[list[Point], list[Point]]:
+    """The points of `s` answered before and after its kept interior ones: the last only for
+    max_points=1, the one point of a series of one step, else its first and its last."""
+    if max_points == 1:
+        return [], [s.last]
+    if s.first[0] == s.last[0]:
+        return [], [s.first]
+    return [s.first], [s.last]
+
+
+def _thin(
+    *, session: Session, run_id: str, names: list[str] | None, max_points: int, as_json: bool
+) -> dict[str, _Series]:
+    """The series of `thin_series`, by name, each with the interior points it keeps (as
+    JSON arrays written by Postgres with `as_json`)."""
     series = _series_bounds(session=session, run_id=run_id, names=names)
     budget = max_points - 2  # interior points, between the first and the last
     if budget > 0:
@@ -159,19 +286,11 @@ def thin_series(
             s.level = _first_level(s.first[0], s.last[0], budget)
         pending = {name: s for name, s in series.items() if s.last[0] - s.first[0] > 1}
         while pending:
-            found = _level_points(session=session, run_id=run_id, series=pending, budget=budget)
+            found = _level_points(
+                session=session, run_id=run_id, series=pending, budget=budget, as_json=as_json
+            )
             pending = {name: s for name, s in pending.items() if s.read(found[name], budget)}
-    out: dict[str, dict[str, list[Any]]] = {}
-    for name, s in sorted(series.items()):
-        if max_points == 1:
-            steps, values = [s.last[0]], [s.last[1]]
-        elif s.first[0] == s.last[0]:
-            steps, values = [s.first[0]], [s.first[1]]
-        else:
-            steps = [s.first[0], *s.kept[0], s.last[0]]
-            values = [s.first[1], *s.kept[1], s.last[1]]
-        out[name] = {"steps": steps, "values": [json_float(value) for value in values]}
-    return out
+    return dict(sorted(series.items()))
 
 
 def _first_level(first: int, last: int, budget: int) -> int:
@@ -187,6 +306,42 @@ def _series_bounds(*, session: Session, run_id: str, names: list[str] | None) ->
     """The first and last point of each series of the run (of `names` only, when given) that
     has points, in one statement of index seeks: the names come from a skip scan of the
     primary key (one seek per name), not from reading the run's rows."""
+    if session.get_bind().dialect.name == "postgresql":
+        statement = _PG_BOUNDS_OF_NAMES if names else _PG_BOUNDS
+        params: dict[str, Any] = {"run_id": run_id, **({"names": names} if names else {})}
+        rows: Any = session.execute(statement, params)
+    else:
+        rows = session.execute(_bounds_statement(run_id, names))
+    return {
+        name: _Series(first=(lo, lo_value), last=(hi, hi_value))
+        for name, lo, lo_value, hi, hi_value in rows
+        if lo is not None
+    }
+
+
+# What _bounds_statement builds, as fixed text for Postgres: one statement whatever the
+# names, which psycopg prepares once per connection. Built by SQLAlchemy per read, the
+# statements of a thinned read cost more Python than Postgres took to run them.
+_PG_EDGES = (
+    "SELECT n.name, f.step, f.value, l.step, l.value FROM {names} "
+    "CROSS JOIN LATERAL (SELECT step, value FROM metrics "
+    "WHERE run_id = :run_id AND name = n.name ORDER BY step LIMIT 1) AS f "
+    "CROSS JOIN LATERAL (SELECT step, value FROM metrics "
+    "WHERE run_id = :run_id AND name = n.name ORDER BY step DESC LIMIT 1) AS l"
+)
+_PG_BOUNDS = text(
+    "WITH RECURSIVE names(name) AS ("
+    "(SELECT name FROM metrics WHERE run_id = :run_id ORDER BY name LIMIT 1) "
+    "UNION ALL SELECT (SELECT m.name FROM metrics AS m "
+    "WHERE m.run_id = :run_id AND m.name > names.name ORDER BY m.name LIMIT 1) "
+    "FROM names WHERE names.name IS NOT NULL) "
+    + _PG_EDGES.format(names="names AS n")
+    + " WHERE n.name IS NOT NULL"
+)
+_PG_BOUNDS_OF_NAMES = text(_PG_EDGES.format(names="unnest(CAST(:names AS varchar[])) AS n(name)"))
+
+
+def _bounds_statement(run_id: str, names: list[str] | None) -> Any:
     if names:
         wanted = union_all(*(select(literal(name, String).label("name")) for name in names))
         source = wanted.cte("wanted")
@@ -203,34 +358,48 @@ def _series_bounds(*, session: Session, run_id: str, names: list[str] | None) ->
         )
 
     first, last = MetricPoint.step.asc(), MetricPoint.step.desc()
-    rows = session.execute(
-        select(
-            source.c.name,
-            edge(MetricPoint.step, first),
-            edge(MetricPoint.value, first),
-            edge(MetricPoint.step, last),
-            edge(MetricPoint.value, last),
-        ).where(source.c.name.is_not(None))
-    )
-    return {
-        name: _Series(first=(lo, lo_value), last=(hi, hi_value))
-        for name, lo, lo_value, hi, hi_value in rows
-        if lo is not None
-    }
+    return select(
+        source.c.name,
+        edge(MetricPoint.step, first),
+        edge(MetricPoint.value, first),
+        edge(MetricPoint.step, last),
+        edge(MetricPoint.value, last),
+    ).where(source.c.name.is_not(None))
 
 
 def _level_points(
-    *, session: Session, run_id: str, series: dict[str, _Series], budget: int
-) -> dict[str, Columns]:
+    *, session: Session, run_id: str, series: dict[str, _Series], budget: int, as_json: bool
+) -> dict[str, _Found]:
     """Per series, up to budget + 3 of its points whose step is a multiple of its level's
     stride: one index range each, all in one statement. The range is not narrowed to the
     steps between the first and the last point: with that second range on the step, SQLite
     chose the primary key and walked the whole series.
 
-    Postgres answers each series as one row of two arrays. As a row per point (7,830 for ten
-    series), each read left thousands of objects for Python's collector, whose full passes
-    over the service's heap then cost ~55 ms every fourth or fifth read."""
-    arrays = session.get_bind().dialect.name == "postgresql"
+    Postgres answers each series as one row: the count of the rows read, and the points
+    between the first and the last as two arrays by step (with `as_json`, two JSON arrays as
+    text, non-finite values as null, which Python passes on without parsing). As a row per
+    point (7,830 for ten series), each read left thousands of objects for Python's collector,
+    whose full passes over the service's heap then cost ~55 ms every fourth or fifth read."""
+    if session.get_bind().dialect.name == "postgresql":
+        items = list(series.items())
+        rows = session.execute(
+            _PG_LEVEL_JSON if as_json else _PG_LEVEL_ARRAYS,
+            {
+                "run_id": run_id,
+                "limit": budget + 3,
+                "names": [name for name, _ in items],
+                # The least step level read: 2^level, or 0 (every step, step 0 included).
+                "levels": [1 << s.level if s.level > 0 else 0 for _, s in items],
+                "firsts": [s.first[0] for _, s in items],
+                "lasts": [s.last[0] for _, s in items],
+            },
+        ).all()
+        # The arrays are NULL when no point is inside.
+        empty: Any = "[]" if as_json else []
+        return {
+            name: _Found(count=count, inside=inside, kept=(steps or empty, values or empty))
+            for name, count, inside, steps, values in rows
+        }
     parts = []
     for name, s in series.items():
         query = select(MetricPoint.step, MetricPoint.value).where(
@@ -240,24 +409,51 @@ def _level_points(
             query = query.where(step_level() >= 1 << s.level)
         # SQLite takes a LIMIT in a compound statement only inside a subquery.
         limited = query.limit(budget + 3).subquery()
-        label = literal(name, String).label("name")
-        if arrays:
-            parts.append(
-                select(label, func.array_agg(limited.c.step), func.array_agg(limited.c.value))
-            )
-        else:
-            parts.append(select(label, limited.c.step, limited.c.value))
-    found: dict[str, Columns] = {name: ([], []) for name in series}
+        parts.append(select(literal(name, String).label("name"), limited.c.step, limited.c.value))
+    read: dict[str, list[Point]] = {name: [] for name in series}
     # .all(): fetched in one call, where iterating fetched row by row.
-    rows: list[Any] = list(session.execute(union_all(*parts)).all())
-    for name, steps, values in rows:
-        if arrays:
-            # Both aggregates read the subquery's rows in one order; NULL when it has none.
-            found[name] = (steps or [], values or [])
-        else:
-            found[name][0].append(steps)
-            found[name][1].append(values)
+    for name, step, value in session.execute(union_all(*parts)).all():
+        read[name].append((step, value))
+    found = {}
+    for name, points in read.items():
+        first, last = series[name].first[0], series[name].last[0]
+        kept = sorted(p for p in points if first < p[0] < last)
+        found[name] = _Found(
+            count=len(points),
+            inside=len(kept),
+            kept=([p[0] for p in kept], [p[1] for p in kept]),
+        )
     return found
+
+
+# _level_points on Postgres: one fixed statement (prepared once per connection by psycopg)
+# for any number of series, each a LIMITed range of ix_metrics_step_level, parameterized by
+# the series' row of the arrays. `{steps}` and `{values}` wrap the aggregates of the points
+# inside, by step.
+_PG_LEVEL = (
+    "SELECT w.name, r.count, r.inside, r.steps, r.values "
+    "FROM unnest(CAST(:names AS varchar[]), CAST(:levels AS integer[]), "
+    "CAST(:firsts AS integer[]), CAST(:lasts AS integer[])) AS w(name, level, first, last) "
+    "CROSS JOIN LATERAL (SELECT count(*) AS count, "
+    "count(*) FILTER (WHERE p.step > w.first AND p.step < w.last) AS inside, "
+    "{steps} AS steps, {values} AS values "
+    "FROM (SELECT step, value FROM metrics "
+    "WHERE run_id = :run_id AND name = w.name AND (step & (- step)) >= w.level "
+    "LIMIT :limit) AS p) AS r"
+)
+_INSIDE = "{}(array_agg({} ORDER BY p.step) FILTER (WHERE p.step > w.first AND p.step < w.last))"
+_PG_LEVEL_ARRAYS = text(
+    _PG_LEVEL.format(steps=_INSIDE.format("", "p.step"), values=_INSIDE.format("", "p.value"))
+)
+# As JSON text: float8 as Postgres prints it (shortest exact, PG >= 12), non-finite as null.
+_PG_LEVEL_JSON = text(
+    _PG_LEVEL.format(
+        steps="CAST(" + _INSIDE.format("array_to_json", "p.step") + " AS text)",
+        values="CAST("
+        + _INSIDE.format("array_to_json", "CASE WHEN abs(p.value) < 'Infinity' THEN p.value END")
+        + " AS text)",
+    )
+)
 
 
 EvalPoint = dict[str, Any]

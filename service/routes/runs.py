@@ -31,7 +31,7 @@ from service.schemas import (
     RunResume,
     RunsPublic,
 )
-from service.series import eval_summary, metric_columns
+from service.series import eval_summary, metric_series_json
 from service.settings import ServiceSettings
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_admin)])
@@ -161,11 +161,14 @@ def read_metrics(
     session: SessionDep,
     names: Annotated[str | None, Query(description="comma-separated metric names")] = None,
     max_points: MaxPoints = None,
-) -> JSONResponse:
+) -> Response:
     """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null."""
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    return JSONResponse(
-        metric_columns(session=session, run_id=run.id, names=wanted, max_points=max_points)
+    # The body as Postgres wrote it (service.series.metric_series_json): no point is parsed
+    # or encoded in Python.
+    return Response(
+        metric_series_json(session=session, run_id=run.id, names=wanted, max_points=max_points),
+        media_type="application/json",
     )
 
 

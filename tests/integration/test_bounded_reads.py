@@ -26,7 +26,7 @@ from contracts.bounds import MAX_COUNT
 from service.db import make_engine
 from service.models import Run, utcnow
 from service.routes.events import MAX_ROWS_PER_EVENT, RunEvents, StepCursor
-from service.series import metric_columns
+from service.series import metric_columns, metric_series_json
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory
@@ -185,6 +185,99 @@ def test_a_thinned_read_touches_rows_in_proportion_to_the_points_returned(
     assert returned > 3 * 100
     # Reading every point, as the read did before, touched 3 x 20,001 rows.
     assert rows() <= 2 * returned + 50 * len(names), (rows(), returned)
+    # So does the body Postgres writes as JSON, which the API answers.
+    with api.sessions() as session, rows_touched(engine_of(api)) as rows:
+        body = metric_series_json(session=session, run_id=run["id"], names=None, max_points=200)
+    assert json.loads(body) == thinned
+    assert rows() <= 2 * returned + 50 * len(names), (rows(), returned)
+
+
+# Values whose JSON text Postgres and Python write differently, or not at all: integral
+# floats (`3` / `3.0`), extremes, the shortest exact repr, negative zero; and non-finite
+# values of rows stored before they were refused (NaN and inf), answered as null like NULL.
+EDGE_VALUES = [
+    3.0,
+    -0.0,
+    0.1 + 0.2,
+    1e-05,
+    1e16,
+    1.7976931348623157e308,
+    5e-324,
+    -2.2250738585072014e-308,
+    123456789.123456789,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    None,
+]
+
+
+def bits(values: list[float | None]) -> list[str | None]:
+    return [None if v is None else float(v).hex() for v in values]
+
+
+def test_the_json_postgres_writes_is_what_python_answered(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """GET /runs/{id}/metrics answers the body Postgres wrote (metric_series_json); it holds
+    exactly the values metric_columns reads and Python encodes: every float bit for bit,
+    non-finite and NULL values as null, any name, any max_points."""
+    run = submit(api, tiny_workflow())
+    attempt = run["attempts"][0]["id"]
+    series: dict[str, list[tuple[int, float | None]]] = {
+        'quote " back \\ slash': [(s, EDGE_VALUES[s % len(EDGE_VALUES)]) for s in range(0, 400)],
+        "ünïcødé/loss ✓": [(s, EDGE_VALUES[s % len(EDGE_VALUES)]) for s in range(5, 9000, 7)],
+        "one point": [(12, float("nan"))],
+        "two points": [(0, None), (3, float("inf"))],
+        "edges": [(s, EDGE_VALUES[-(s % 5) - 1]) for s in (1, 2, 3, 1000, MAX_COUNT)],
+    }
+    with api.sessions.begin() as session:
+        for name, points in series.items():
+            session.execute(
+                text(
+                    "INSERT INTO metrics (run_id, name, step, value, attempt_id) "
+                    "SELECT :run, :name, p.step, p.value, :attempt FROM unnest("
+                    "CAST(:steps AS int[]), CAST(:values AS float8[])) AS p(step, value)"
+                ),
+                {
+                    "run": run["id"],
+                    "name": name,
+                    "steps": [step for step, _ in points],
+                    "values": [value for _, value in points],
+                    "attempt": attempt,
+                },
+            )
+    for max_points in (None, 1, 2, 3, 7, 64, 1000, MAX_COUNT):
+        for names in (None, ["edges", "nothing", "edges"], ["ünïcødé/loss ✓", "one point"]):
+            with api.sessions() as session:
+                python = metric_columns(
+                    session=session, run_id=run["id"], names=names, max_points=max_points
+                )
+                body = metric_series_json(
+                    session=session, run_id=run["id"], names=names, max_points=max_points
+                )
+            answered = json.loads(body)
+            assert answered == python, (max_points, names)
+            # Bit for bit (-0.0 == 0.0 in Python): Postgres writes an integral float as an
+            # integer (`3`, `-0`), the same JSON number, which Python reads as an int unless
+            # told otherwise.
+            as_floats = json.loads(body, parse_int=float)
+            assert {n: bits(c["values"]) for n, c in as_floats.items()} == {
+                n: bits(c["values"]) for n, c in python.items()
+            }
+            if max_points is None and names is None:
+                stored = {n: [s for s, _ in points] for n, points in series.items()}
+                assert {n: c["steps"] for n, c in answered.items()} == stored
+                assert answered["two points"]["values"] == [None, None]
+    response = api.client.get(
+        f"/runs/{run['id']}/metrics", params={"max_points": 64}, headers=api.admin
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    with api.sessions() as session:
+        assert response.json() == metric_columns(
+            session=session, run_id=run["id"], names=None, max_points=64
+        )
 
 
 # --- GET /runs, paged ------------------------------------------------------------------------
