@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,6 +128,8 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
     tokenizer = load_tokenizer(TOKENIZER)
     text = objective == "continued_pretrain"
     started = time.perf_counter()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_before = usage.ru_utime + usage.ru_stime
     out: dict[str, Any] = {}
     if mode == "baseline":
         from worker.records import read_lines
@@ -191,6 +196,8 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
             for step in range(1, 21):
                 batch_for_step(data, seed=0, phase_index=0, step=step, micro=0)
     out["seconds"] = time.perf_counter() - started
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = usage.ru_utime + usage.ru_stime - cpu_before
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -211,10 +218,27 @@ def run_child(mode: str, path: Path, root: Path, objective: str) -> dict[str, An
 # --- the bench ------------------------------------------------------------------------------
 
 
-def measure(path: Path, objective: str, tmp: Path, *, old: bool) -> dict[str, Any]:
+def measure(path: Path, objective: str, tmp: Path, *, old: bool, rounds: int) -> dict[str, Any]:
+    """Baseline and build alternate `rounds` times (each build from scratch), so that load
+    from elsewhere falls on both alike; the medians and the median of the rounds' ratios are
+    kept, with CPU seconds (user + system, every thread), which load changes less."""
     root = tmp / f"tokens-{path.stem}"
-    baseline = run_child("baseline", path, root, objective)
-    build = run_child("build", path, root, objective)
+    baselines, builds = [], []
+    for _ in range(rounds):
+        shutil.rmtree(root, ignore_errors=True)
+        baselines.append(run_child("baseline", path, root, objective))
+        builds.append(run_child("build", path, root, objective))
+    if not rounds:  # memory and start only: one build, no baseline
+        builds.append(run_child("build", path, root, objective))
+        baselines.append({"seconds": math.nan, "cpu_s": math.nan})
+    baseline = {k: statistics.median(b[k] for b in baselines) for k in ("seconds", "cpu_s")}
+    build = {
+        k: statistics.median(b[k] for b in builds) for k in ("seconds", "cpu_s", "peak_rss_mb")
+    }
+    build["tokens"] = builds[0]["tokens"]
+    ratio = statistics.median(
+        b["seconds"] / d["seconds"] for b, d in zip(baselines, builds, strict=True)
+    )  # nan without a baseline
     start = run_child("start", path, root, objective)
     inspect = run_child("inspect", path, root, objective)
     row = {
@@ -222,6 +246,8 @@ def measure(path: Path, objective: str, tmp: Path, *, old: bool) -> dict[str, An
         "tokens": build["tokens"],
         "baseline_s": baseline["seconds"],
         "build_s": build["seconds"],
+        "ratio": ratio,
+        "cpu_ratio": baseline["cpu_s"] / build["cpu_s"],
         "build_rss_mb": build["peak_rss_mb"],
         "start_s": start["ready"],
         "start_rss_mb": start["peak_rss_mb"],
@@ -239,6 +265,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="1e6,1e7,1e8", help="text corpus sizes, in tokens")
     parser.add_argument("--old-max", type=float, default=1e7, help="largest size for old start")
     parser.add_argument("--pairs", type=float, default=4e6, help="supervised corpus, in tokens")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="baseline/build rounds per corpus (0: build only)"
+    )
     parser.add_argument("--child", nargs=4, metavar=("MODE", "PATH", "ROOT", "OBJECTIVE"))
     args = parser.parse_args()
     if args.child:
@@ -254,26 +283,38 @@ def main() -> None:
             path = Path(tmp) / f"text-{int(size)}.jsonl"
             write_text_corpus(path, int(size))
             rows.append(
-                ("text", measure(path, "continued_pretrain", Path(tmp), old=size <= args.old_max))
+                (
+                    "text",
+                    measure(
+                        path,
+                        "continued_pretrain",
+                        Path(tmp),
+                        old=size <= args.old_max,
+                        rounds=args.rounds,
+                    ),
+                )
             )
             path.unlink()
         if args.pairs:
             path = Path(tmp) / f"pairs-{int(args.pairs)}.jsonl"
             write_pairs_corpus(path, int(args.pairs))
-            rows.append(("pairs", measure(path, "summarization", Path(tmp), old=True)))
+            rows.append(
+                ("pairs", measure(path, "summarization", Path(tmp), old=True, rounds=args.rounds))
+            )
 
     print(
         "| corpus | file | tokens | encode_batch alone | store build | build / encode_batch "
+        "| same, CPU seconds "
         "| build peak RSS | phase start (store) | start peak RSS | inspection (store) "
         "| inspection peak RSS | phase start before | RSS before |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind, r in rows:
-        ratio = r["baseline_s"] / r["build_s"]
         old = f"{r['old_s']:.1f} s | {r['old_rss_mb'] / 1024:.2f} GB" if "old_s" in r else "— | —"
         print(
             f"| {kind} | {r['file_mb']:.0f} MB | {r['tokens'] / 1e6:.1f} M | "
-            f"{r['baseline_s']:.1f} s | {r['build_s']:.1f} s | {ratio:.2f}x | "
+            f"{r['baseline_s']:.1f} s | {r['build_s']:.1f} s | {r['ratio']:.2f}x | "
+            f"{r['cpu_ratio']:.2f}x | "
             f"{r['build_rss_mb']:.0f} MB | {r['start_s']:.2f} s | {r['start_rss_mb']:.0f} MB | "
             f"{r['inspect_s']:.2f} s | {r['inspect_rss_mb']:.0f} MB | {old} |"
         )
