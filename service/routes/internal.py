@@ -13,7 +13,11 @@ while the others are stored; `accepted` counts the stored ones.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, BackgroundTasks, Depends
+from typing import Annotated, Any
+
+from fastapi import APIRouter, BackgroundTasks, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.reports import (
@@ -139,9 +143,51 @@ def renew(
     return answer
 
 
-@router.post("/{attempt_id}/metrics")
+def _inline_refs(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with every `{"$ref": "#/$defs/X"}` replaced by X's schema."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inline_refs(v, defs) for v in schema]
+    return schema
+
+
+_METRIC_BATCH_SCHEMA = MetricBatch.model_json_schema()
+_METRIC_BATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": _inline_refs(_METRIC_BATCH_SCHEMA, _METRIC_BATCH_SCHEMA.get("$defs", {}))
+            }
+        },
+    }
+}
+
+
+async def metric_batch(request: Request) -> MetricBatch:
+    """The request's MetricBatch, validated by pydantic straight from the JSON bytes: FastAPI's
+    own body parsing (json.loads, then validating 1,000 dicts) took ~5 ms of a batch's ~33,
+    this ~1.5 ms. A body that is not a valid batch is 422 `invalid_request` as before, its
+    paths under `body`."""
+    try:
+        return MetricBatch.model_validate_json(await request.body())
+    except ValidationError as err:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in err.errors(include_url=False)]
+        ) from None
+
+
+@router.post("/{attempt_id}/metrics", openapi_extra=_METRIC_BATCH_BODY)
 def metrics(
-    attempt_id: str, body: MetricBatch, session: SessionDep, settings: SettingsDep, token: WorkerDep
+    attempt_id: str,
+    body: Annotated[MetricBatch, Depends(metric_batch)],
+    session: SessionDep,
+    settings: SettingsDep,
+    token: WorkerDep,
 ) -> BatchAccepted:
     """Store the batch's points; those that cannot be stored are answered in `errors`."""
     accepted, errors = record_metrics(
