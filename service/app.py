@@ -15,7 +15,18 @@ from service.dispatch import OutboxPump, make_celery
 from service.errors import RefuseNul, install_error_handlers
 from service.observability import MetricsMiddleware, Observability
 from service.reaper import Reaper
-from service.routes import dashboard, events, health, internal, jobs, runs, workers, workflows
+from service.routes import (
+    audit,
+    dashboard,
+    events,
+    health,
+    internal,
+    jobs,
+    runs,
+    tokens,
+    workers,
+    workflows,
+)
 from service.settings import ServiceSettings
 
 
@@ -76,6 +87,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         workers,
         internal,
         observability,
+        tokens,
+        audit,
         dashboard,
     ):
         app.include_router(module.router)

@@ -1,6 +1,11 @@
-"""Bearer tokens. A token is shown once, when created; the database keeps its SHA-256 only.
+"""Bearer tokens. A token is shown once, when created or rotated; the database keeps its
+SHA-256 only. Roles are described in service.access: admin, user and viewer tokens use the
+public API, worker tokens `/internal/...` and nothing else.
 
-Admin tokens use the public API; worker tokens use `/internal/...` and nothing else.
+A revoked token keeps its row (`revoked_at`) and is refused from the next request on. Rotation
+gives the same token (id, name, role, what it owns) a new secret; the old one is refused at
+once. Token files are written with mode 0600 (`write_token_file`), and the secret never
+appears in a log, an error message or a URL.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service import audit
 from service.db import make_engine, make_session_factory
-from service.models import ApiToken, TokenRole
+from service.errors import ApiError, not_found
+from service.models import ApiToken, TokenRole, utcnow
 from service.settings import ServiceSettings
 
 ADMIN_TOKEN_FILE = "token"
@@ -30,32 +37,166 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def create_token(*, session: Session, name: str, role: TokenRole) -> str:
-    """Create and commit a token; return it (the only time it exists in clear)."""
+def create_token(
+    *,
+    session: Session,
+    name: str,
+    role: TokenRole,
+    actor_name: str | None = None,
+    address: str | None = None,
+) -> str:
+    """Create a token and commit it with its audit event; return it (the only time it exists
+    in clear). The event's actor is the request's token, else `actor_name`."""
+    return issue_token(
+        session=session, name=name, role=role, actor_name=actor_name, address=address
+    )[1]
+
+
+def issue_token(
+    *,
+    session: Session,
+    name: str,
+    role: TokenRole,
+    actor_name: str | None = None,
+    address: str | None = None,
+) -> tuple[ApiToken, str]:
+    """`create_token`, returning the row too."""
     token = new_token()
-    session.add(ApiToken(name=name, role=role, token_sha256=hash_token(token)))
+    row = ApiToken(name=name, role=role, token_sha256=hash_token(token))
+    session.add(row)
+    session.flush()
+    audit.record(
+        session,
+        "token.create",
+        row.id,
+        details={"name": name, "role": role},
+        actor_name=actor_name,
+        address=address,
+    )
     session.commit()
-    return token
+    return row, token
 
 
 def find_token(*, session: Session, token: str) -> ApiToken | None:
+    """The live (not revoked) token with this secret."""
     return session.scalars(
-        select(ApiToken).where(ApiToken.token_sha256 == hash_token(token))
+        select(ApiToken).where(
+            ApiToken.token_sha256 == hash_token(token), ApiToken.revoked_at.is_(None)
+        )
     ).one_or_none()
+
+
+def list_tokens(*, session: Session, revoked: bool = False) -> list[ApiToken]:
+    """Tokens oldest first; revoked ones too when `revoked`."""
+    query = select(ApiToken).order_by(ApiToken.created_at, ApiToken.id)
+    if not revoked:
+        query = query.where(ApiToken.revoked_at.is_(None))
+    return list(session.scalars(query))
+
+
+def get_token(*, session: Session, token_id: str) -> ApiToken:
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        raise not_found("token", token_id, "list tokens with GET /tokens")
+    return row
+
+
+def revoke_token(
+    *, session: Session, token_id: str, actor_name: str | None = None, address: str | None = None
+) -> ApiToken:
+    """Revoke the token and commit with its audit event; a revoked token again is a no-op."""
+    row = session.get(ApiToken, token_id, with_for_update=True)
+    if row is None:
+        raise not_found("token", token_id, "list tokens with GET /tokens")
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        audit.record(
+            session,
+            "token.revoke",
+            row.id,
+            details={"name": row.name, "role": row.role},
+            actor_name=actor_name,
+            address=address,
+        )
+    session.commit()
+    return row
+
+
+def rotate_token(
+    *, session: Session, token_id: str, actor_name: str | None = None, address: str | None = None
+) -> tuple[ApiToken, str]:
+    """Give the token a new secret and commit with its audit event; return the row and the
+    new secret. The old secret is refused from the next request on; id, name, role and what the
+    token owns stay. 409 `token_revoked` for a revoked token."""
+    row = session.get(ApiToken, token_id, with_for_update=True)
+    if row is None:
+        raise not_found("token", token_id, "list tokens with GET /tokens")
+    if row.revoked_at is not None:
+        session.rollback()
+        raise ApiError(
+            409,
+            "token_revoked",
+            f"token {token_id} ({row.name!r}) was revoked; create a new one instead",
+            {"token_id": token_id},
+        )
+    token = new_token()
+    row.token_sha256 = hash_token(token)
+    row.rotated_at = utcnow()
+    audit.record(
+        session,
+        "token.rotate",
+        row.id,
+        details={"name": row.name, "role": row.role},
+        actor_name=actor_name,
+        address=address,
+    )
+    session.commit()
+    return row, token
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Write `token` to `path` with mode 0600, replacing the file whole: the secret is never
+    readable by others, not even for a moment, nor half written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def ensure_token_file(*, session: Session, path: Path, name: str, role: TokenRole) -> str | None:
     """Make sure `path` holds a token of `role` that this database accepts.
 
     Creates the token and writes it with mode 0600 when the file does not exist, and returns it;
-    returns None when the file already existed (its token is registered if the database is new,
-    so that a reset database keeps accepting the token on disk)."""
+    returns None when the file already existed (its token is registered if the database holds
+    no token of that name, so that a reset database keeps accepting the token on disk). A file
+    whose token the database revoked or rotated away is replaced by a new token (and returns
+    it): a revoked secret is never registered again."""
     if path.exists():
         token = path.read_text().strip()
-        if token and find_token(session=session, token=token) is None:
+        if token and find_token(session=session, token=token) is not None:
+            return None
+        known = session.scalars(
+            select(ApiToken).where(
+                (ApiToken.token_sha256 == hash_token(token)) | (ApiToken.name == name)
+            )
+        ).first()
+        if token and known is None:
             session.add(ApiToken(name=name, role=role, token_sha256=hash_token(token)))
             session.commit()
-        return None
+            return None
+        token = new_token()
+        write_token_file(path, token)
+        session.add(ApiToken(name=name, role=role, token_sha256=hash_token(token)))
+        session.commit()
+        return token
     path.parent.mkdir(parents=True, exist_ok=True)
     token = new_token()
     # O_EXCL: two processes starting at once cannot both write (one gets FileExistsError).

@@ -9,11 +9,11 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from service import access
 from service.auth import find_token
 from service.dispatch import OutboxPump
 from service.errors import ApiError
 from service.models import ApiToken, Run
-from service.run import get_run
 from service.settings import ServiceSettings
 
 _bearer = HTTPBearer(auto_error=False)
@@ -47,7 +47,11 @@ PumpDep = Annotated[OutboxPump, Depends(get_pump)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def _authenticate(session: Session, credentials: HTTPAuthorizationCredentials | None) -> ApiToken:
+def authenticate(
+    session: Session, credentials: HTTPAuthorizationCredentials | None, request: Request
+) -> ApiToken:
+    """The token the request carries, or 401. A revoked token is unknown from the next request
+    on. The token rides on `session` for owners and the audit trail (service.access)."""
     if credentials is None:
         message = (
             "missing bearer token; send 'Authorization: Bearer <token>' (the embedded service "
@@ -56,24 +60,43 @@ def _authenticate(session: Session, credentials: HTTPAuthorizationCredentials | 
     else:
         token = find_token(session=session, token=credentials.credentials)
         if token is not None:
+            access.set_actor(session, token, request.client.host if request.client else None)
             return token
-        message = "unknown bearer token; check the token you sent, or create one"
+        # Never the token itself: error bodies end up in logs.
+        message = "unknown or revoked bearer token; check the token you sent, or ask for one"
     raise ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
 
 
-def require_admin(session: SessionDep, credentials: Credentials) -> ApiToken:
-    token = _authenticate(session, credentials)
+def require_token(request: Request, session: SessionDep, credentials: Credentials) -> ApiToken:
+    """Any valid token (`GET /whoami`)."""
+    return authenticate(session, credentials, request)
+
+
+def require_api(request: Request, session: SessionDep, credentials: Credentials) -> ApiToken:
+    """The public API: reads (GET) for admin, user and viewer tokens; every other method for
+    admin and user tokens (service.access); 403 otherwise."""
+    token = authenticate(session, credentials, request)
+    refused = access.role_refusal(token, request.method, request.url.path)
+    if refused is not None:
+        raise refused
+    return token
+
+
+def require_admin(request: Request, session: SessionDep, credentials: Credentials) -> ApiToken:
+    token = authenticate(session, credentials, request)
     if token.role != "admin":
         raise ApiError(
             403,
             "forbidden",
-            f"token {token.name!r} is a {token.role} token; the public API needs an admin token",
+            f"{request.method} {request.url.path}: token {token.name!r} is a {token.role} "
+            "token; this needs an admin token",
+            {"role": token.role},
         )
     return token
 
 
-def require_worker(session: SessionDep, credentials: Credentials) -> ApiToken:
-    token = _authenticate(session, credentials)
+def require_worker(request: Request, session: SessionDep, credentials: Credentials) -> ApiToken:
+    token = authenticate(session, credentials, request)
     if token.role != "worker":
         raise ApiError(
             403,
@@ -85,10 +108,14 @@ def require_worker(session: SessionDep, credentials: Credentials) -> ApiToken:
 
 AdminDep = Annotated[ApiToken, Depends(require_admin)]
 WorkerDep = Annotated[ApiToken, Depends(require_worker)]
+# The public API's caller (require_api), for routes that check owners.
+ApiTokenDep = Annotated[ApiToken, Depends(require_api)]
+AnyTokenDep = Annotated[ApiToken, Depends(require_token)]
 
 
-def load_run(run_id: str, session: SessionDep) -> Run:
-    return get_run(session=session, run_id=run_id)
+def load_run(run_id: str, session: SessionDep, token: ApiTokenDep) -> Run:
+    """The run, or 404 when it does not exist or the caller may not see it."""
+    return access.run_for(session, token, run_id)
 
 
 RunDep = Annotated[Run, Depends(load_run)]

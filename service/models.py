@@ -54,7 +54,9 @@ FINISHED_JOB_STATUSES = ("succeeded", "failed")
 CheckpointStatus = Literal["usable", "deleted", "quarantined"]
 CHECKPOINT_STATUSES: tuple[str, ...] = get_args(CheckpointStatus)
 
-TokenRole = Literal["admin", "worker"]
+# admin: everything, tokens included; user: creates runs and jobs, reads and controls its own;
+# viewer: reads everything, changes nothing; worker: the internal API only (service.access).
+TokenRole = Literal["admin", "user", "viewer", "worker"]
 TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
 
 
@@ -132,6 +134,7 @@ class Run(Base):
         CheckConstraint(_one_of("status", RUN_STATUSES), name="status"),
         Index("ix_runs_created_at", "created_at"),
         Index("ix_runs_status", "status"),
+        Index("ix_runs_owner_id_created_at", "owner_id", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(MAX_ID), primary_key=True, default=new_run_id)
@@ -159,6 +162,9 @@ class Run(Base):
     # Set by POST /runs/{id}/pause while a worker runs the attempt: its heartbeats answer
     # "pause" until it finishes `paused`. Cleared when the run is resumed.
     pause_requested_at: Mapped[datetime | None]
+    # The id of the token that created the run (service.access stamps it); NULL for runs
+    # created before owners were recorded (migration 0010), which only admins and viewers see.
+    owner_id: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None]
@@ -298,6 +304,8 @@ class Job(Base):
     # An InspectionReport or a contracts.reports.EvalResult, once succeeded.
     result: Mapped[dict[str, Any] | None]
     error: Mapped[str | None] = mapped_column(Text)
+    # The token that created the job, as for runs (Run.owner_id).
+    owner_id: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -322,7 +330,9 @@ class OutboxMessage(Base):
 
 
 class ApiToken(Base):
-    """A bearer token, stored as its SHA-256 only."""
+    """A bearer token, stored as its SHA-256 only. Rows are never deleted: a revoked token
+    keeps its row (its runs keep their owner, the audit trail its name). Rotation replaces the
+    hash under the same id, so what the token owns stays its own."""
 
     __tablename__ = "api_tokens"
     __table_args__ = (CheckConstraint(_one_of("role", TOKEN_ROLES), name="role"),)
@@ -332,6 +342,31 @@ class ApiToken(Base):
     role: Mapped[str] = mapped_column(String(16))
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    rotated_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class AuditEvent(Base):
+    """One change made through the API or `trainctl tokens` (service.audit): who (the token's
+    id, name and role at the time), what (`action`, the target's id), when and from where (the
+    client's address). Written in the transaction of the change it records."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (
+        Index("ix_audit_events_action_id", "action", "id"),
+        Index("ix_audit_events_target_id_id", "target_id", "id"),
+    )
+
+    # Newest first is by id (GET /audit pages by it).
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    action: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str | None] = mapped_column(String(MAX_ID))
+    actor_token_id: Mapped[str | None] = mapped_column(String(32))
+    actor_name: Mapped[str] = mapped_column(String(200))
+    actor_role: Mapped[str | None] = mapped_column(String(16))
+    client_address: Mapped[str | None] = mapped_column(String(MAX_HOSTNAME))
+    details: Mapped[dict[str, Any] | None]
 
 
 class Worker(Base):

@@ -273,14 +273,23 @@ class RunsCursor(NamedTuple):
 
 
 def list_runs(
-    *, session: Session, limit: int, status: RunStatus | None, after: RunsCursor | None = None
+    *,
+    session: Session,
+    limit: int,
+    status: RunStatus | None,
+    after: RunsCursor | None = None,
+    owner_id: str | None = None,
 ) -> tuple[list[Run], int, RunsCursor | None]:
     """A page of runs, newest first (created_at descending, then id), starting after `after`;
     the number of runs matching `status` (all pages); and the cursor of the next page, None
     after the last. Paging is by key, so runs created meanwhile (newer than any page read)
-    neither repeat nor shift a run into the next page."""
+    neither repeat nor shift a run into the next page. With `owner_id`, only that owner's runs
+    (pages and count)."""
     query = select(Run)
     count = select(func.count()).select_from(Run)
+    if owner_id is not None:
+        query = query.where(Run.owner_id == owner_id)
+        count = count.where(Run.owner_id == owner_id)
     if status is not None:
         query = query.where(Run.status == status)
         count = count.where(Run.status == status)

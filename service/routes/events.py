@@ -43,7 +43,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contracts.bounds import MAX_COUNT
-from service.deps import Credentials, require_admin
+from service import access
+from service.deps import Credentials, authenticate
 from service.errors import is_unavailable
 from service.lifecycle import FINISHED_RUN, phase_start
 from service.models import Attempt, Checkpoint, EvalResult, MetricPoint, Run
@@ -301,8 +302,10 @@ def read_events(
     # Authorise and look the run up in a session of its own, closed before the stream starts:
     # a stream that lasts hours must not hold a pooled connection.
     with sessions() as session:
-        require_admin(session, credentials)
-        get_run(session=session, run_id=run_id)
+        token = authenticate(session, credentials, request)
+        if (refused := access.role_refusal(token, "GET", request.url.path)) is not None:
+            raise refused
+        access.run_for(session, token, run_id)
     stream = RunEvents(
         run_id=run_id,
         names=_names(names),

@@ -7,13 +7,20 @@ from fastapi import APIRouter, BackgroundTasks, Depends, Response, status
 
 from contracts.jobs import EvaluateRequest, InspectRequest, JobOutcome, PrepareRequest
 from contracts.jobs import Job as JobPublic
-from service.deps import PumpDep, SessionDep, SettingsDep, require_admin, require_worker
+from service import access, audit
+from service.deps import (
+    ApiTokenDep,
+    PumpDep,
+    SessionDep,
+    SettingsDep,
+    require_api,
+    require_worker,
+)
 from service.dispatch import OutboxPump
 from service.job import (
     PUBLIC,
     create_job,
     finish_job,
-    get_job,
     job_public,
     resolve_dataset,
     resolve_evaluate,
@@ -23,7 +30,7 @@ from service.models import Job
 
 # --- routes --------------------------------------------------------------------------------
 
-public = APIRouter(tags=["jobs"], dependencies=[Depends(require_admin)])
+public = APIRouter(tags=["jobs"], dependencies=[Depends(require_api)])
 internal = APIRouter(
     prefix="/internal/jobs", tags=["internal"], dependencies=[Depends(require_worker)]
 )
@@ -48,14 +55,15 @@ def inspect_dataset(
     computed on a worker: 202 with the queued job; poll its Location until it has finished.
     Relative paths resolve against the service's data root; a missing file is 422."""
     request = resolve_dataset(body, data_root=settings.data_root, route="POST /datasets/inspect")
+    audit.expect(session, "job.create", details={"kind": "inspection"})
     job = create_job(session=session, kind="inspection", request=request)
     _accepted(job, response, background, pump)
     return job_public(job)
 
 
 @public.get("/datasets/inspections/{job_id}")
-def read_inspection(job_id: str, session: SessionDep) -> JobPublic:
-    return job_public(get_job(session=session, job_id=job_id, kind="inspection"))
+def read_inspection(job_id: str, session: SessionDep, token: ApiTokenDep) -> JobPublic:
+    return job_public(access.job_for(session, token, job_id, "inspection"))
 
 
 @public.post("/datasets/prepare", status_code=status.HTTP_202_ACCEPTED)
@@ -71,14 +79,15 @@ def prepare_dataset(
     same tokenizer, objective and sequence_length would build before its first step: 202 with
     the queued job; its result is a contracts.jobs.PreparedStore. Paths as for inspect."""
     request = resolve_dataset(body, data_root=settings.data_root, route="POST /datasets/prepare")
+    audit.expect(session, "job.create", details={"kind": "preparation"})
     job = create_job(session=session, kind="preparation", request=request)
     _accepted(job, response, background, pump)
     return job_public(job)
 
 
 @public.get("/datasets/preparations/{job_id}")
-def read_preparation(job_id: str, session: SessionDep) -> JobPublic:
-    return job_public(get_job(session=session, job_id=job_id, kind="preparation"))
+def read_preparation(job_id: str, session: SessionDep, token: ApiTokenDep) -> JobPublic:
+    return job_public(access.job_for(session, token, job_id, "preparation"))
 
 
 @public.post("/evaluations", status_code=status.HTTP_202_ACCEPTED)
@@ -93,14 +102,15 @@ def evaluate_checkpoint(
     """Evaluate any `save_pretrained` directory on one task's data, outside any run, on a
     worker: 202 with the queued job; its result is a contracts.reports.EvalResult."""
     request = resolve_evaluate(body, data_root=settings.data_root)
+    audit.expect(session, "job.create", details={"kind": "evaluation"})
     job = create_job(session=session, kind="evaluation", request=request)
     _accepted(job, response, background, pump)
     return job_public(job)
 
 
 @public.get("/evaluations/{job_id}")
-def read_evaluation(job_id: str, session: SessionDep) -> JobPublic:
-    return job_public(get_job(session=session, job_id=job_id, kind="evaluation"))
+def read_evaluation(job_id: str, session: SessionDep, token: ApiTokenDep) -> JobPublic:
+    return job_public(access.job_for(session, token, job_id, "evaluation"))
 
 
 @internal.post("/{job_id}/start")

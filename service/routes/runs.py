@@ -8,15 +8,17 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT
+from service import access, audit
 from service.checkpoint import CheckpointFilter, list_checkpoints
 from service.control import cancel_run, pause_run
 from service.deps import (
+    ApiTokenDep,
     LeasesHeardDep,
     PumpDep,
     RunDep,
     SessionDep,
     SettingsDep,
-    require_admin,
+    require_api,
 )
 from service.lifecycle import RunStatus
 from service.models import Run
@@ -34,7 +36,7 @@ from service.schemas import (
 from service.series import eval_summary, metric_series_json
 from service.settings import ServiceSettings
 
-router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_api)])
 
 
 def _public(session: Session, settings: ServiceSettings, run: Run) -> RunPublic:
@@ -57,10 +59,13 @@ def submit_run(
     pump: PumpDep,
     response: Response,
     background: BackgroundTasks,
+    token: ApiTokenDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> RunPublic:
     """Validate, sign and store a run with its first attempt; 201. The same Idempotency-Key
     and body again answer 200 with the same run; another body with that key, 409."""
+    audit.expect(session, "run.create")  # the run is owned by `token` (service.access)
+    access.check_checkpoint_source(session, token, body.initial_checkpoint)
     run, created = create_run(
         session=session,
         request=body,
@@ -69,6 +74,8 @@ def submit_run(
         default_max_restarts=settings.max_restarts,
         default_max_preemptions=settings.max_preemptions,
     )
+    if not created and idempotency_key is not None:
+        access.check_replay(token, run, idempotency_key)
     if created:
         # After the response: a slow or dead broker never delays or fails the submission.
         background.add_task(pump.dispatch)
@@ -81,6 +88,7 @@ def submit_run(
 def read_runs(
     session: SessionDep,
     settings: SettingsDep,
+    token: ApiTokenDep,
     limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 50,
     status: RunStatus | None = None,
     cursor: Annotated[
@@ -89,14 +97,21 @@ def read_runs(
     ] = None,
 ) -> RunsPublic:
     """Newest first, a page of `limit`; `next_cursor` asks for the next page (null on the
-    last). `count` is the number of runs matching `status`, over all pages."""
+    last). `count` is the number of runs matching `status`, over all pages. A user token
+    sees only its own runs (service.access)."""
     try:
         after = None if cursor is None else RunsCursor.parse(cursor)
     except ValueError as err:
         raise RequestValidationError(
             [{"loc": ("query", "cursor"), "msg": str(err), "type": "value_error"}]
         ) from err
-    runs, count, following = list_runs(session=session, limit=limit, status=status, after=after)
+    runs, count, following = list_runs(
+        session=session,
+        limit=limit,
+        status=status,
+        after=after,
+        owner_id=access.owner_filter(token),
+    )
     public = runs_public(
         session=session, runs=runs, lease_seconds=settings.lease_seconds, queue=settings.queue
     )
@@ -113,6 +128,7 @@ def read_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPubl
 @router.post("/{run_id}/resume")
 def resume(
     run: RunDep,
+    token: ApiTokenDep,
     session: SessionDep,
     settings: SettingsDep,
     heard: LeasesHeardDep,
@@ -124,6 +140,8 @@ def resume(
     body gives (all optional: omitted means as stored) must reproduce the stored signature,
     else 409 `signature_mismatch` naming each differing field. A succeeded run answers as a
     no-op; an active one (queued, or running with a live lease), 409 `run_active`."""
+    audit.expect(session, "run.resume", run.id)
+    access.check_checkpoint_source(session, token, body and body.initial_checkpoint)
     resumed, attempt = resume_run(
         session=session,
         run_id=run.id,
@@ -144,6 +162,7 @@ def pause(
     worker is told by its next heartbeat (`pause`) to checkpoint and finish `paused`, and until
     then the run shows `pause_requested_at`. Resume continues it. Repeating is a no-op (200);
     a finished run is 409 `run_finished`."""
+    audit.expect(session, "run.pause", run.id)
     return _public(session, settings, pause_run(session=session, run_id=run.id, judge_leases=heard))
 
 
@@ -152,6 +171,7 @@ def cancel(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic
     """Cancel the run at once, without a new checkpoint: its attempt is superseded, so its
     worker's next heartbeat answers `stop` and its reports are refused (409 `superseded`).
     Repeating is a no-op (200); a succeeded or failed run is 409 `run_finished`."""
+    audit.expect(session, "run.cancel", run.id)
     return _public(session, settings, cancel_run(session=session, run_id=run.id))
 
 

@@ -8,14 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from contracts.reports import Accepted, WorkerPing
-from service.deps import SessionDep, SettingsDep, WorkerDep, require_admin
+from service.deps import SessionDep, SettingsDep, WorkerDep, require_api
 from service.fleet import list_workers, note_worker
 from service.models import utcnow
 from service.schemas import WorkersPublic
 
 MAX_WORKERS_PAGE = 500
 
-router = APIRouter(prefix="/workers", tags=["workers"], dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/workers", tags=["workers"], dependencies=[Depends(require_api)])
 internal_router = APIRouter(prefix="/internal/workers", tags=["internal"])
 
 

@@ -5,11 +5,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Response, status
 
 from contracts.workflow import plan
-from service.deps import SessionDep, SettingsDep, require_admin
+from service.deps import SessionDep, SettingsDep, require_api
 from service.schemas import WorkflowPublic, WorkflowValidation
 from service.workflow import get_workflow, parse_workflow, save_workflow, workflow_public
 
-router = APIRouter(prefix="/workflows", tags=["workflows"], dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/workflows", tags=["workflows"], dependencies=[Depends(require_api)])
 
 WorkflowDocument = Annotated[Any, Body(description="a workflow document (JSON object)")]
 

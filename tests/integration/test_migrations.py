@@ -25,6 +25,7 @@ TABLES = {
     "api_tokens",
     "jobs",
     "workers",
+    "audit_events",
 }
 
 

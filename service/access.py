@@ -1,0 +1,140 @@
+"""Who may do what: token roles, and the owners of runs and jobs.
+
+Roles (ApiToken.role):
+- `admin`: the whole public API, tokens (`/tokens`) and the audit trail (`/audit`) included.
+- `user`: creates runs and jobs, and reads and controls only its own: another owner's run or
+  job answers 404 on every route that takes its id, as if it did not exist, and lists show
+  only its own.
+- `viewer`: reads everything (GET), changes nothing: every other method is 403.
+- `worker`: `/internal/...` only (service.lease scopes it further to what it claimed).
+
+A run or job records its owner, the id of the token that created it: the authenticated token
+rides on the request's session (`set_actor`), and a `before_flush` hook stamps it on every new
+run and job, so the functions that create them need not know about owners. Rows created before
+owners were recorded (migration 0010) have no owner: admins and viewers see them, no user does.
+Ownership is by token id, which rotation keeps: a rotated token keeps its runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from service.errors import ApiError, not_found
+from service.job import PUBLIC, get_job
+from service.models import ApiToken, Job, Run
+from service.run import get_run
+
+# Who may use the public API, by method: reads, and everything else.
+READ_ROLES = frozenset({"admin", "user", "viewer"})
+WRITE_ROLES = frozenset({"admin", "user"})
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+_ACTOR = "trainctl.actor"
+_ADDRESS = "trainctl.client_address"
+
+
+def set_actor(session: Session, token: ApiToken, address: str | None) -> None:
+    """The token a request authenticated with, and where it came from, for the rest of the
+    request's session: owners of what it creates, and its audit events (service.audit)."""
+    session.info[_ACTOR] = token
+    session.info[_ADDRESS] = address
+
+
+def actor(session: Session) -> ApiToken | None:
+    found: ApiToken | None = session.info.get(_ACTOR)
+    return found
+
+
+def client_address(session: Session) -> str | None:
+    address: str | None = session.info.get(_ADDRESS)
+    return address
+
+
+def role_refusal(token: ApiToken, method: str, path: str) -> ApiError | None:
+    """403 `forbidden` when `token`'s role may not call `method` on the public API."""
+    allowed = READ_ROLES if method.upper() in READ_METHODS else WRITE_ROLES
+    if token.role in allowed:
+        return None
+    if token.role == "viewer":
+        why = "viewer tokens read and change nothing; this needs a user or admin token"
+    elif token.role == "worker":
+        why = "worker tokens use /internal/... only; the public API takes admin, user or viewer"
+    else:
+        why = f"the {token.role} role may not call it"
+    return ApiError(
+        403,
+        "forbidden",
+        f"{method.upper()} {path}: token {token.name!r} is a {token.role} token; {why}",
+        {"role": token.role},
+    )
+
+
+def sees_everything(token: ApiToken) -> bool:
+    return token.role in ("admin", "viewer")
+
+
+def owner_filter(token: ApiToken) -> str | None:
+    """The owner a list is limited to for `token`, or None for every row."""
+    return None if sees_everything(token) else token.id
+
+
+def can_see(token: ApiToken, owner_id: str | None) -> bool:
+    return sees_everything(token) or (owner_id is not None and owner_id == token.id)
+
+
+def run_for(session: Session, token: ApiToken, run_id: str) -> Run:
+    """The run, or 404 `run_not_found` when it does not exist or `token` may not see it (the
+    same answer in both cases)."""
+    run = session.get(Run, run_id)
+    if run is None or not can_see(token, run.owner_id):
+        raise not_found("run", run_id, "list runs with GET /runs")
+    return get_run(session=session, run_id=run_id)
+
+
+def job_for(session: Session, token: ApiToken, job_id: str, kind: str) -> Job:
+    """The job of `kind`, or its 404 when it does not exist or `token` may not see it."""
+    job = get_job(session=session, job_id=job_id, kind=kind)  # type: ignore[arg-type]
+    if not can_see(token, job.owner_id):
+        raise not_found(kind, job_id, PUBLIC[kind][1])
+    return job
+
+
+def check_checkpoint_source(session: Session, token: ApiToken, given: object) -> None:
+    """Another run's checkpoint as initial weights (schemas.CheckpointOf) only from a run the
+    token may see; one it may not is refused as service.run refuses a run that does not
+    exist (422 `invalid_initial_checkpoint`)."""
+    source_id = getattr(given, "run", None)
+    if not isinstance(source_id, str):
+        return
+    source = session.get(Run, source_id)
+    if source is not None and not can_see(token, source.owner_id):
+        raise ApiError(
+            422,
+            "invalid_initial_checkpoint",
+            f"initial_checkpoint: run {source_id!r} does not exist; list runs with GET /runs",
+            {"run": source_id, "step": getattr(given, "step", None)},
+        )
+
+
+def check_replay(token: ApiToken, run: Run, key: str) -> None:
+    """An Idempotency-Key replay answers the run it created only to a token that may see it."""
+    if not can_see(token, run.owner_id):
+        raise ApiError(
+            409,
+            "idempotency_conflict",
+            f"Idempotency-Key {key!r} was already used by another token; use a new key",
+            None,
+        )
+
+
+@event.listens_for(Session, "before_flush")
+def _stamp_owner(session: Session, _context: Any, _instances: Any) -> None:
+    token = actor(session)
+    if token is None or token.role not in WRITE_ROLES:
+        return
+    for obj in session.new:
+        if isinstance(obj, Run | Job) and obj.owner_id is None:
+            obj.owner_id = token.id
