@@ -28,12 +28,14 @@ from contracts.jobs import (
     PrepareRequest,
 )
 from contracts.jobs import Job as JobPublic
+from contracts.paths import DataRoots, PathUse
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
 from service.db import rowcount
 from service.errors import ApiError, not_found, validation_details
 from service.models import Job, OutboxMessage, new_job_id, utcnow
+from service.workflow import outside_roots
 
 # What a succeeded job's result must parse as.
 RESULT_MODELS: dict[str, type[BaseModel]] = {
@@ -64,16 +66,30 @@ def _refuse(where: str, problems: list[dict[str, str]]) -> ApiError:
 DataRequest = TypeVar("DataRequest", InspectRequest, PrepareRequest)
 
 
-def resolve_dataset(request: DataRequest, *, data_root: Path, route: str) -> DataRequest:
+def _confine(where: str, fields: list[tuple[str, str | None, PathUse]], roots: DataRoots) -> None:
+    given = [(field, path, use) for field, path, use in fields if path is not None]
+    if (refused := outside_roots(given, roots, where=where)) is not None:
+        raise refused
+
+
+def resolve_dataset(
+    request: DataRequest, *, data_root: Path, route: str, roots: DataRoots | None = None
+) -> DataRequest:
     """An inspection's or a preparation's request with its paths resolved against
-    `data_root`; 422 `invalid_request` from `route` naming each field whose file does not
-    exist."""
+    `data_root`; 422 `path_outside_data_roots` when one resolves outside `roots` (default:
+    data_root alone), and then 422 `invalid_request` from `route` naming each field whose file
+    does not exist."""
     resolved = request.model_copy(
         update={
             "path": resolve_path(request.path, data_root),
             "tokenizer": resolve_path(request.tokenizer, data_root),
         }
     )
+    fields: list[tuple[str, str | None, PathUse]] = [
+        ("path", resolved.path, "data"),
+        ("tokenizer", resolved.tokenizer, "data"),
+    ]
+    _confine(route, fields, roots or DataRoots.of([data_root]))
     checks: list[tuple[str, str, PathKind]] = [
         ("path", resolved.path, "file"),
         ("tokenizer", resolved.tokenizer, "path"),
@@ -88,10 +104,13 @@ def resolve_dataset(request: DataRequest, *, data_root: Path, route: str) -> Dat
     return resolved
 
 
-def resolve_evaluate(request: EvaluateRequest, *, data_root: Path) -> EvaluateRequest:
-    """The request with its paths resolved against `data_root`; 422 `invalid_request` naming
-    each field whose file does not exist, and `tokenizer` when it is omitted and the checkpoint
-    directory holds none."""
+def resolve_evaluate(
+    request: EvaluateRequest, *, data_root: Path, roots: DataRoots | None = None
+) -> EvaluateRequest:
+    """The request with its paths resolved against `data_root`; 422 `path_outside_data_roots`
+    when one resolves outside `roots` (default: data_root alone; a checkpoint may also lie in
+    the artifact store's runs/), then 422 `invalid_request` naming each field whose file does
+    not exist, and `tokenizer` when it is omitted and the checkpoint directory holds none."""
     tokenizer = request.tokenizer
     resolved = request.model_copy(
         update={
@@ -100,6 +119,12 @@ def resolve_evaluate(request: EvaluateRequest, *, data_root: Path) -> EvaluateRe
             "tokenizer": None if tokenizer is None else resolve_path(tokenizer, data_root),
         }
     )
+    fields: list[tuple[str, str | None, PathUse]] = [
+        ("checkpoint", resolved.checkpoint, "checkpoint"),
+        ("data", resolved.data, "data"),
+        ("tokenizer", resolved.tokenizer, "data"),
+    ]
+    _confine("POST /evaluations", fields, roots or DataRoots.of([data_root]))
     checks: list[tuple[str, str, PathKind]] = [
         ("checkpoint", resolved.checkpoint, "directory"),
         ("data", resolved.data, "file"),

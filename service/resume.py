@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contracts.paths import DataRoots
 from contracts.signature import FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
 from service.digest import resolve_digests
@@ -57,19 +58,30 @@ def signature_mismatch(*, run_id: str, differences: list[FieldDiff]) -> ApiError
 
 
 def resume_inputs(
-    *, session: Session, run: Run, request: RunResume, data_root: Path
+    *,
+    session: Session,
+    run: Run,
+    request: RunResume,
+    data_root: Path,
+    roots: DataRoots | None = None,
 ) -> tuple[WorkflowSpec, InitialCheckpoint | None]:
     """The workflow and initial checkpoint the request gives, or those stored where it gives
-    nothing. Reads the database; hashes nothing."""
+    nothing, their paths inside `roots` (default: data_root alone) and a given initial
+    checkpoint checked for what it is (service.run.check_initial_checkpoint). Reads the
+    database; hashes nothing."""
     if request.workflow is not None:
-        spec = parse_workflow(request.workflow, data_root=data_root)
+        spec = parse_workflow(request.workflow, data_root=data_root, roots=roots)
     else:
         stored = get_workflow(session=session, workflow_id=run.workflow_id)
-        spec = parse_workflow(stored.spec, data_root=data_root)
+        spec = parse_workflow(stored.spec, data_root=data_root, roots=roots)
     if request.initial_checkpoint is None:
         return spec, InitialCheckpoint.from_components(run.signature_components)
     initial = resolve_initial_checkpoint(
-        session=session, given=request.initial_checkpoint, data_root=data_root
+        session=session,
+        given=request.initial_checkpoint,
+        data_root=data_root,
+        roots=roots,
+        spec=spec,
     )
     return spec, initial
 
@@ -125,14 +137,18 @@ def resume_run(
     request: RunResume,
     data_root: Path,
     judge_leases: bool = True,
+    roots: DataRoots | None = None,
 ) -> tuple[Run, Attempt | None]:
     """Check the signature, then: a succeeded run is a no-op (no attempt); an active one (a
     paused one whose worker is still writing its checkpoint, too) is 409 `run_active`;
     otherwise (failed, paused, cancelled, or lost) a running attempt whose lease expired is
     marked lost, and a new attempt continues the run's current phase. Commits. Returns (run,
-    new attempt or None); the caller dispatches the new attempt's outbox row."""
+    new attempt or None); the caller dispatches the new attempt's outbox row. Paths must
+    resolve inside `roots` (default: data_root alone)."""
     run = get_run(session=session, run_id=run_id)
-    spec, initial = resume_inputs(session=session, run=run, request=request, data_root=data_root)
+    spec, initial = resume_inputs(
+        session=session, run=run, request=request, data_root=data_root, roots=roots
+    )
     # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
     # connection waits idle in transaction (nor a row stays locked) meanwhile.
     session.commit()

@@ -16,12 +16,13 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contracts.paths import DataRoots
 from contracts.reports import Preparing
 from contracts.signature import Digests, Signature, canonical_json, compute_signature
 from contracts.workflow import Plan, plan
 from contracts.workflow import Workflow as WorkflowSpec
 from runtime.path import resolve_path
-from service.checkpoint import USABLE, list_checkpoints, usable_checkpoint
+from service.checkpoint import USABLE, checkpoint_problem, list_checkpoints, usable_checkpoint
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.fleet import live_worker_seen
@@ -34,7 +35,7 @@ from service.schemas import (
     RunCreate,
     RunPublic,
 )
-from service.workflow import get_workflow, parse_workflow, save_workflow
+from service.workflow import get_workflow, outside_roots, parse_workflow, save_workflow
 
 
 def request_sha256(request: RunCreate) -> str:
@@ -77,16 +78,25 @@ def _invalid_initial_checkpoint(message: str, details: dict[str, Any]) -> ApiErr
 
 
 def resolve_initial_checkpoint(
-    *, session: Session, given: InitialCheckpointIn, data_root: Path
+    *,
+    session: Session,
+    given: InitialCheckpointIn,
+    data_root: Path,
+    roots: DataRoots | None = None,
+    spec: WorkflowSpec | None = None,
 ) -> InitialCheckpoint:
     """A local path (relative to data_root), or another run's usable checkpoint at a step;
     422 `invalid_initial_checkpoint` naming the run and the steps it has when there is none (or
     the one at that step was deleted or quarantined, and why). The chosen checkpoint's row stays
     locked until the caller commits: the run that names it is then a pin that a concurrent
-    report of its deletion sees (service.checkpoint)."""
+    report of its deletion sees (service.checkpoint). With `spec`, the checkpoint is checked
+    (check_initial_checkpoint) against `roots` (default: data_root alone) and the model."""
     if isinstance(given, str):
         # A path the OS cannot use is kept as given; reading it is refused as `missing_input`.
-        return InitialCheckpoint(path=resolve_path(given, data_root))
+        local = InitialCheckpoint(path=resolve_path(given, data_root))
+        if spec is not None:
+            check_initial_checkpoint(local, spec, roots or DataRoots.of([data_root]))
+        return local
     if session.get(Run, given.run) is None:
         raise _invalid_initial_checkpoint(
             f"run {given.run!r} does not exist; list runs with GET /runs",
@@ -111,7 +121,35 @@ def resolve_initial_checkpoint(
             f"(GET /runs/{given.run}/checkpoints)",
             details,
         )
-    return InitialCheckpoint(path=chosen.path, run=given.run, step=given.step)
+    initial = InitialCheckpoint(path=chosen.path, run=given.run, step=given.step)
+    if spec is not None:
+        # A worker wrote it in the artifact store: confined when the roots name that store.
+        check_initial_checkpoint(initial, spec, roots)
+    return initial
+
+
+def check_initial_checkpoint(
+    initial: InitialCheckpoint, spec: WorkflowSpec, roots: DataRoots | None
+) -> None:
+    """422 `path_outside_data_roots` when the checkpoint resolves outside `roots` (a
+    checkpoint may also lie in the artifact store's runs/); 422 `invalid_initial_checkpoint`
+    when it is no safetensors file or save_pretrained directory whose tensors fit `spec`'s
+    model, naming the file and what is wrong (service.checkpoint.checkpoint_problem)."""
+    if roots is not None and (
+        refused := outside_roots(
+            [("initial_checkpoint", initial.path, "checkpoint")], roots, where="initial_checkpoint"
+        )
+    ):
+        raise refused
+    if why := checkpoint_problem(initial.path, spec):
+        details: dict[str, Any] = {"path": initial.path, "problem": why}
+        if initial.run is not None:
+            details.update(run=initial.run, step=initial.step)
+        raise _invalid_initial_checkpoint(
+            f"{why}; give a safetensors file or a save_pretrained directory (config.json and "
+            "model.safetensors) of the workflow's model",
+            details,
+        )
 
 
 def recheck_initial_checkpoint(
@@ -164,9 +202,11 @@ def create_run(
     data_root: Path,
     default_max_restarts: int,
     default_max_preemptions: int,
+    roots: DataRoots | None = None,
 ) -> tuple[Run, bool]:
     """Create a run (or return the one this Idempotency-Key already created) and commit.
-    Returns (run, created). The first attempt's outbox row is left for the dispatcher."""
+    Returns (run, created). The first attempt's outbox row is left for the dispatcher. Every
+    path must resolve inside `roots` (default: data_root alone)."""
     request_sha = request_sha256(request)
     if idempotency_key is not None:
         existing = _replay(session=session, key=idempotency_key, request_sha=request_sha)
@@ -174,16 +214,20 @@ def create_run(
             return existing, False
 
     if request.workflow is not None:
-        spec = parse_workflow(request.workflow, data_root=data_root)
+        spec = parse_workflow(request.workflow, data_root=data_root, roots=roots)
     else:
         assert request.workflow_id is not None
         stored = get_workflow(session=session, workflow_id=request.workflow_id)
-        spec = parse_workflow(stored.spec, data_root=data_root)
+        spec = parse_workflow(stored.spec, data_root=data_root, roots=roots)
     initial = (
         None
         if request.initial_checkpoint is None
         else resolve_initial_checkpoint(
-            session=session, given=request.initial_checkpoint, data_root=data_root
+            session=session,
+            given=request.initial_checkpoint,
+            data_root=data_root,
+            roots=roots,
+            spec=spec,
         )
     )
     # Hashing takes seconds per GiB: end the transaction the reads began first, so that no

@@ -8,13 +8,14 @@ filesystem broker, the artifact store). Production points `database_url` at Post
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.bounds import MAX_BUDGET
 from contracts.dispatch import DEFAULT_QUEUE
+from contracts.paths import DataRoots, split_roots
 from runtime.logs import LogFormat
 
 DEFAULT_HOME = "~/.trainctl"
@@ -32,8 +33,12 @@ class ServiceSettings(BaseSettings):
     artifact_root: Path = Path()
     api_url: str = "http://127.0.0.1:8600"
     queue: str = Field(default=DEFAULT_QUEUE, min_length=1)
-    # Relative paths in submitted workflows resolve against this directory.
-    data_root: Path = Field(default_factory=Path.cwd)
+    # Relative paths in submitted workflows resolve against this directory (default: the
+    # first of data_roots when those are set, else the working directory).
+    data_root: Path = Path()
+    # Every path the API accepts must resolve inside one of these folders (contracts.paths):
+    # TRAINCTL_DATA_ROOTS, separated by os.pathsep (":"); default: data_root alone.
+    data_roots: Annotated[tuple[Path, ...], NoDecode] = ()
     lease_seconds: float = Field(default=60.0, gt=0)
     # A running attempt whose worker keeps its lease (the worker's keeper thread heartbeats)
     # but whose progress (steps, evals, checkpoints, preparation units) has not moved for this
@@ -68,12 +73,29 @@ class ServiceSettings(BaseSettings):
             data["broker_url"] = f"filesystem://{home.resolve() / 'broker'}"
         if not data.get("artifact_root"):
             data["artifact_root"] = home / "artifacts"
+        roots = data.get("data_roots")
+        if isinstance(roots, str):
+            roots = data["data_roots"] = split_roots(roots)
+        if not data.get("data_root"):
+            data["data_root"] = roots[0] if roots else Path.cwd()
+        if not roots:
+            data["data_roots"] = (data["data_root"],)
         return data
 
     @field_validator("home", "data_root", "artifact_root")
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().resolve()
+
+    @field_validator("data_roots")
+    @classmethod
+    def _resolved(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
+        return tuple(dict.fromkeys(root.expanduser().resolve() for root in value))
+
+    @property
+    def paths(self) -> DataRoots:
+        """The rule every path the API accepts must pass (contracts.paths)."""
+        return DataRoots.of(self.data_roots, artifact_root=self.artifact_root)
 
     @field_validator("database_url")
     @classmethod

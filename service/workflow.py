@@ -8,9 +8,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from contracts.paths import DataRoots, PathUse
 from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
-from contracts.workflow import WorkflowInvalid, plan
+from contracts.workflow import WorkflowInvalid, json_path, path_fields, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
 from service.db import insert_for
 from service.errors import ApiError, not_found
@@ -18,11 +19,56 @@ from service.models import Workflow, utcnow
 from service.schemas import WorkflowPublic
 
 
-def parse_workflow(doc: Any, *, data_root: Path) -> WorkflowSpec:
+def outside_roots(
+    fields: list[tuple[str, str, PathUse]], roots: DataRoots, *, where: str
+) -> ApiError | None:
+    """422 `path_outside_data_roots` naming each (JSON path, resolved path) of `fields` that
+    `roots` refuses, with the path and the roots in its details; None when all may be read."""
+    problems = [
+        {
+            "path": field,
+            "message": why,
+            "value": value,
+            "roots": [str(r) for r in roots.allowed(use)],
+        }
+        for field, value, use in fields
+        if (why := roots.refusal(value, use))
+    ]
+    if not problems:
+        return None
+    summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
+    if len(problems) > 3:
+        summary += f" (and {len(problems) - 3} more)"
+    return ApiError(
+        422,
+        "path_outside_data_roots",
+        f"{where}: {summary}; put the files under a data root, or have the operator add "
+        "their folder to TRAINCTL_DATA_ROOTS",
+        problems,
+    )
+
+
+def workflow_path_fields(doc: dict[str, Any]) -> list[tuple[str, str, PathUse]]:
+    """The files a (resolved) workflow document names, as (JSON path, path, use): the model's
+    pretrained directory is a checkpoint, the rest data."""
+    return [
+        (json_path(loc), value, "checkpoint" if loc == ("model", "pretrained") else "data")
+        for loc, value, _ in path_fields(doc)
+    ]
+
+
+def parse_workflow(doc: Any, *, data_root: Path, roots: DataRoots | None = None) -> WorkflowSpec:
     """Validate a submitted document, relative paths resolved against `data_root`, and check
-    the files it names. 422 `invalid_workflow` lists every problem as `{path, message}`."""
+    the files it names. 422 `path_outside_data_roots` when a file resolves outside `roots`
+    (default: `data_root` alone), before anything about the files is looked at; 422
+    `invalid_workflow` lists every other problem as `{path, message}`."""
     if isinstance(doc, dict):
         doc = resolve_paths(doc, data_root)
+        refused = outside_roots(
+            workflow_path_fields(doc), roots or DataRoots.of([data_root]), where="workflow"
+        )
+        if refused is not None:
+            raise refused
     try:
         return validate_workflow_with_files(doc)
     except WorkflowInvalid as err:

@@ -210,7 +210,10 @@ def _load_checkpoint(request: EvaluateRequest, *, device: torch.device | None) -
         )
     tokenizer = load_tokenizer(request.tokenizer or directory)
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+        # Safetensors only: pickled weights (pytorch_model.bin) are never loaded.
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, local_files_only=True, use_safetensors=True
+        )
     except (OSError, ValueError) as err:
         raise ConfigError(f"checkpoint {directory} cannot be loaded: {err}") from err
     model = model.to(device or torch.device("cpu"))  # type: ignore[arg-type]

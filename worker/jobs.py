@@ -16,9 +16,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome, PrepareRequest
+from contracts.paths import DataRoots, PathUse
 from worker import metrics
 from worker.client import ServiceClient
-from worker.error import TrainingError, origin
+from worker.error import ConfigError, TrainingError, origin
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,27 @@ def job_outcome(kind: JobKind, request: dict[str, Any], *, settings: WorkerSetti
     return JobOutcome(status="succeeded", result=dumped)
 
 
+def confine(request: BaseModel, roots: DataRoots) -> None:
+    """Each file a job's request names must resolve inside `roots` (contracts.paths), as the
+    service checked when it took the request: ConfigError naming the first that does not."""
+    fields: list[tuple[str, PathUse]] = [("path", "data"), ("data", "data")]
+    fields += [("tokenizer", "data"), ("checkpoint", "checkpoint")]
+    for field, use in fields:
+        path = getattr(request, field, None)
+        if isinstance(path, str) and (why := roots.refusal(path, use)):
+            raise ConfigError(f"{field}: {why}")
+
+
 def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -> BaseModel:
     # Imported here: the work modules load tokenizers and torch, which a job of another kind
     # does not need.
+    models: dict[str, type[BaseModel]] = {
+        "inspection": InspectRequest,
+        "preparation": PrepareRequest,
+        "evaluation": EvaluateRequest,
+    }
+    parsed = models[kind].model_validate(request)
+    confine(parsed, settings.paths())
     if kind == "inspection":
         from worker.inspect import inspect_file
         from worker.model import load_tokenizer

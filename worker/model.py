@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -91,7 +92,10 @@ def _instantiate(workflow: Workflow) -> PreTrainedModel:
     model: PreTrainedModel
     if spec.pretrained is not None:
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec.pretrained, dtype=torch.float32)
+            # Safetensors only: pickled weights (pytorch_model.bin) are never loaded.
+            model = AutoModelForCausalLM.from_pretrained(
+                spec.pretrained, dtype=torch.float32, use_safetensors=True, local_files_only=True
+            )
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.pretrained: cannot load {spec.pretrained}: {err}") from err
     else:
@@ -139,14 +143,37 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file or a save_pretrained directory; ConfigError naming the
+    file when it is not safetensors (a pickle, a truncated or corrupt file: nothing is ever
+    unpickled) or a shard index names a file outside the directory."""
     if path.is_file():
-        return load_file(path)
+        return _load_file(path)
     if (path / WEIGHTS_FILE).is_file():
-        return load_file(path / WEIGHTS_FILE)
+        return _load_file(path / WEIGHTS_FILE)
     if (path / WEIGHTS_INDEX_FILE).is_file():
-        index = json.loads((path / WEIGHTS_INDEX_FILE).read_text())
+        index_path = path / WEIGHTS_INDEX_FILE
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(f"weights index {index_path} is unusable: {err!r}") from err
         tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            tensors.update(load_file(path / shard))
+        for shard in shards:
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".."):
+                raise ConfigError(
+                    f"weights index {index_path} names shard {str(shard)[:200]!r}, which is not "
+                    "a file name in its directory"
+                )
+            tensors.update(_load_file(path / shard))
         return tensors
     raise ConfigError(f"no safetensors weights at {path} (expected a file or {WEIGHTS_FILE})")
+
+
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(
+            f"weights {path} are not a readable safetensors file ({err}); trainctl loads "
+            "safetensors only and never unpickles weights"
+        ) from err

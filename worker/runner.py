@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from contracts.paths import DataRoots, PathUse
 from contracts.reports import Claim, ClaimRequest, FailureCause, Finish
 from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
@@ -125,7 +126,9 @@ def _train_and_finish(
     try:
         workflow = _parse_workflow(claim)
         verify_encoder(claim)
-        verify_inputs(claim, workflow, reporter.progress)
+        verify_inputs(
+            claim, workflow, reporter.progress, roots=settings.paths(artifact_root(claim))
+        )
         device = select_device(settings.device)
         log.info("training %s on %s", where, device)
         outcome = train_phase(
@@ -206,12 +209,19 @@ def verify_encoder(claim: Claim) -> None:
 
 
 def verify_inputs(
-    claim: Claim, workflow: Workflow, progress: Callable[[], None] | None = None
+    claim: Claim,
+    workflow: Workflow,
+    progress: Callable[[], None] | None = None,
+    *,
+    roots: DataRoots | None = None,
 ) -> None:
     """Every input this attempt reads must have the content the run's signature was computed
     over: refuse before the first step, naming the file and both digests. Inputs it does not
     read are not hashed (other phases' data; the initial checkpoint once a run checkpoint
-    supplies the weights), so a resume never depends on files it no longer needs."""
+    supplies the weights), so a resume never depends on files it no longer needs. With
+    `roots`, each must first resolve inside them (contracts.paths; the service checked the
+    same when the run was submitted): ConfigError naming the file and the roots, nothing read.
+    """
     digests = claim.digests
     root = store_root(artifact_root(claim))
     phase = workflow.phases[claim.phase_index]
@@ -224,6 +234,11 @@ def verify_inputs(
         checks.append(("pretrained model", workflow.model.pretrained, digests.pretrained))
     if claim.initial_checkpoint is not None and claim.resume_from is None:
         checks.append(("initial checkpoint", claim.initial_checkpoint, digests.initial_checkpoint))
+    if roots is not None:
+        for kind, path, _ in checks:
+            use: PathUse = "data" if kind in ("tokenizer", "data file") else "checkpoint"
+            if why := roots.refusal(path, use):
+                raise ConfigError(f"{kind}: {why} (on host {socket.gethostname()})")
     for kind, path, expected in checks:
         if progress is not None:
             progress()  # each file hashed is progress: a stall is judged by it

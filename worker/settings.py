@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.dispatch import DEFAULT_QUEUE
+from contracts.paths import DataRoots, split_roots
 from runtime.logs import LogFormat
 
 
@@ -27,6 +28,11 @@ class WorkerSettings(BaseSettings):
     # the root from its claim.
     artifact_root: Path = Path()
     queue: str = DEFAULT_QUEUE
+    # The folders a claim's or a job's files must resolve inside (contracts.paths), as the
+    # service reads them: TRAINCTL_DATA_ROOTS (os.pathsep-separated), else TRAINCTL_DATA_ROOT,
+    # else the working directory. Checked again here before anything is read.
+    data_roots: Annotated[tuple[Path, ...], NoDecode] = ()
+    data_root: Path | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # None leaves torch's default (one thread per core).
     torch_threads: int | None = None
@@ -84,6 +90,17 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("data_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        return split_roots(value) if isinstance(value, str) else value
+
+    def paths(self, artifact_root: Path | None = None) -> DataRoots:
+        """The rule for what this worker reads; checkpoints may also lie in the artifact store
+        at `artifact_root` (default: this worker's)."""
+        roots = self.data_roots or (self.data_root or Path.cwd(),)
+        return DataRoots.of(roots, artifact_root=artifact_root or self.artifact_root)
 
     @property
     def spool_dir(self) -> Path:

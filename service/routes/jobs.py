@@ -53,8 +53,11 @@ def inspect_dataset(
 ) -> JobPublic:
     """Token statistics of one data file with the exact tokenizer and encoder of training,
     computed on a worker: 202 with the queued job; poll its Location until it has finished.
-    Relative paths resolve against the service's data root; a missing file is 422."""
-    request = resolve_dataset(body, data_root=settings.data_root, route="POST /datasets/inspect")
+    Relative paths resolve against the service's data root; a missing file is 422, and so is
+    one outside TRAINCTL_DATA_ROOTS (`path_outside_data_roots`)."""
+    request = resolve_dataset(
+        body, data_root=settings.data_root, roots=settings.paths, route="POST /datasets/inspect"
+    )
     audit.expect(session, "job.create", details={"kind": "inspection"})
     job = create_job(session=session, kind="inspection", request=request)
     _accepted(job, response, background, pump)
@@ -78,7 +81,9 @@ def prepare_dataset(
     """Build one data file's token store on a worker ahead of time, the store a phase with the
     same tokenizer, objective and sequence_length would build before its first step: 202 with
     the queued job; its result is a contracts.jobs.PreparedStore. Paths as for inspect."""
-    request = resolve_dataset(body, data_root=settings.data_root, route="POST /datasets/prepare")
+    request = resolve_dataset(
+        body, data_root=settings.data_root, roots=settings.paths, route="POST /datasets/prepare"
+    )
     audit.expect(session, "job.create", details={"kind": "preparation"})
     job = create_job(session=session, kind="preparation", request=request)
     _accepted(job, response, background, pump)
@@ -101,7 +106,7 @@ def evaluate_checkpoint(
 ) -> JobPublic:
     """Evaluate any `save_pretrained` directory on one task's data, outside any run, on a
     worker: 202 with the queued job; its result is a contracts.reports.EvalResult."""
-    request = resolve_evaluate(body, data_root=settings.data_root)
+    request = resolve_evaluate(body, data_root=settings.data_root, roots=settings.paths)
     audit.expect(session, "job.create", details={"kind": "evaluation"})
     job = create_job(session=session, kind="evaluation", request=request)
     _accepted(job, response, background, pump)

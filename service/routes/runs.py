@@ -71,6 +71,7 @@ def submit_run(
         request=body,
         idempotency_key=idempotency_key,
         data_root=settings.data_root,
+        roots=settings.paths,
         default_max_restarts=settings.max_restarts,
         default_max_preemptions=settings.max_preemptions,
     )
@@ -147,6 +148,7 @@ def resume(
         run_id=run.id,
         request=body or RunResume(),
         data_root=settings.data_root,
+        roots=settings.paths,
         judge_leases=heard,
     )
     if attempt is not None:

@@ -16,8 +16,9 @@ WorkflowDocument = Annotated[Any, Body(description="a workflow document (JSON ob
 
 @router.post("/validate")
 def validate(doc: WorkflowDocument, settings: SettingsDep) -> WorkflowValidation:
-    """The plan of a valid workflow, or 422 `invalid_workflow` listing every problem."""
-    spec = parse_workflow(doc, data_root=settings.data_root)
+    """The plan of a valid workflow, or 422 `invalid_workflow` listing every problem (422
+    `path_outside_data_roots` when a file lies outside TRAINCTL_DATA_ROOTS)."""
+    spec = parse_workflow(doc, data_root=settings.data_root, roots=settings.paths)
     return WorkflowValidation(valid=True, plan=plan(spec))
 
 
@@ -27,7 +28,7 @@ def create_workflow(
 ) -> WorkflowPublic:
     """Store a workflow under the SHA-256 of its normalised form: 201 when new, 200 when the
     same workflow was stored before (same id)."""
-    spec = parse_workflow(doc, data_root=settings.data_root)
+    spec = parse_workflow(doc, data_root=settings.data_root, roots=settings.paths)
     workflow, created = save_workflow(session=session, spec=spec)
     session.commit()
     if not created:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -112,6 +113,8 @@ class Stack:
             "TRAINCTL_BROKER_URL": "redis://127.0.0.1:6379/0",
             "TRAINCTL_QUEUE": f"test-{uuid.uuid4().hex[:12]}",
             "TRAINCTL_ARTIFACT_ROOT": str(tmp_path / "artifacts"),
+            # What the tests' files are read from: the examples and the test's own folder.
+            "TRAINCTL_DATA_ROOTS": os.pathsep.join([str(ROOT / "examples"), str(tmp_path)]),
             "TRAINCTL_TORCH_THREADS": "1",
             **env,
         }

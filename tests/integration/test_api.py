@@ -13,6 +13,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import select
+from weights import write_weights_file
 
 from contracts.dispatch import RUN_PHASE_TASK
 from contracts.reports import Claim, ClaimRequest
@@ -294,8 +295,7 @@ def test_initial_checkpoint_is_part_of_the_signature(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
     doc = tiny_workflow()
-    checkpoint = api.settings.data_root / "base.safetensors"
-    checkpoint.write_bytes(b"weights")
+    checkpoint = write_weights_file(api.settings.data_root / "base.safetensors")
     plain = submit(api, {"workflow": doc}).json()
     seeded = submit(api, {"workflow": doc, "initial_checkpoint": "base.safetensors"})
     assert seeded.status_code == 201, seeded.text

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from test_leases import Claimant, error_code, second_worker_headers, start_run
+from weights import write_model_dir
 
 from service.db import upgrade_database
 
@@ -49,8 +50,7 @@ def claimed(api: Api, attempt_id: str, nonce: str = "n") -> Claimant:
 def register(worker: Claimant, step: int) -> dict[str, Any]:
     """A checkpoint directory on disk (another run may hash it), registered; the answer."""
     path = Path(worker.claimed["artifact_dir"]) / "checkpoints" / f"step-{step:08d}"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "model.safetensors").write_bytes(f"weights at step {step}".encode())
+    write_model_dir(path, f"weights at step {step}")
     answer = worker.checkpoint(step)
     assert answer.status_code == 200, answer.text
     return dict(answer.json())

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from exact import make_initial_checkpoint, workflow
 from procs import Stack, cli, processes, run_cli
+from weights import altered_copy
 
 from contracts.signature import sha256_path
 
@@ -22,9 +23,7 @@ def test_cli_creates_pauses_resumes_and_cancels_and_names_a_signature_mismatch(
     doc = workflow("summarization", steps=6)
     (tmp_path / "wf.json").write_text(json.dumps(doc))
     initial = make_initial_checkpoint(tmp_path / "initial", doc["model"]["config"])
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "model.safetensors").write_bytes((initial / "model.safetensors").read_bytes()[:-8])
+    other = altered_copy(initial, tmp_path / "other")
 
     with processes() as procs:
         stack = Stack(tmp_path, postgres_url, procs)  # no worker: the run stays queued

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import make_url
+from weights import write_model_dir
 
 import service.digest
 from contracts.signature import sha256_path
@@ -102,8 +103,7 @@ def in_thread(send: Callable[[], Any]) -> Callable[[], Any]:
 def register_checkpoint(api: Api, run: dict[str, Any], step: int) -> Path:
     """A checkpoint directory of `run` at `step`, registered as a worker would have."""
     path = api.settings.artifact_root / "runs" / run["id"] / "checkpoints" / f"step-{step:08d}"
-    path.mkdir(parents=True)
-    (path / "model.safetensors").write_bytes(b"weights at step %d" % step)
+    write_model_dir(path, f"weights at step {step}")
     with api.sessions() as session:
         attempt = session.get(Attempt, run["attempts"][0]["id"])
         assert attempt is not None

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from exact import make_initial_checkpoint, workflow
 from procs import Stack, cli, processes, wait_for_run
+from weights import altered_copy
 
 from contracts.signature import sha256_path
 
@@ -93,9 +94,7 @@ def test_cli_resume_with_the_initial_checkpoint_the_run_started_from_continues_i
     doc = workflow("summarization", steps=8)
     (tmp_path / "wf.json").write_text(json.dumps(doc))
     initial = make_initial_checkpoint(tmp_path / "initial", doc["model"]["config"])
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "model.safetensors").write_bytes((initial / "model.safetensors").read_bytes()[:-8])
+    other = altered_copy(initial, tmp_path / "other")
 
     with processes() as procs:
         # Quick leases so the killed attempt's lapses within the test; the reaper is held

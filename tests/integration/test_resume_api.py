@@ -19,6 +19,7 @@ from test_api import (
     queued_messages,
     submit,
 )
+from weights import write_model_dir, write_weights_file
 
 from contracts.signature import sha256_file, sha256_path
 from service.errors import ApiError
@@ -45,10 +46,9 @@ def resume(api: Api, run_id: str, body: dict[str, Any] | None = None) -> Any:
 
 
 def write_weights(api: Api, name: str, content: bytes) -> Path:
-    path = api.settings.data_root / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(content)
-    return path
+    """Safetensors weights of the tiny model at `name` under the data root, `content` in
+    their metadata (the service checks what a checkpoint is)."""
+    return write_weights_file(api.settings.data_root / name, content.decode())
 
 
 def seeded_run(api: Api, doc: dict[str, Any], checkpoint: str = "base.safetensors") -> Any:
@@ -78,10 +78,7 @@ def outbox_rows(api: Api) -> int:
 
 def register_directory_checkpoint(worker: Worker, step: int, content: bytes) -> Path:
     """A checkpoint directory that exists (so it can be hashed), registered by `worker`."""
-    path = Path(worker.checkpoint_path(step))
-    path.mkdir(parents=True)
-    (path / "config.json").write_text('{"model_type": "llama"}')
-    (path / "model.safetensors").write_bytes(content)
+    path = write_model_dir(Path(worker.checkpoint_path(step)), content.decode())
     ref = {"path": str(path), "step": step, "phase_index": 0, "phase_step": step}
     response = worker.post("checkpoints", {"fencing_token": worker.token, "checkpoint": ref})
     assert response.status_code == 200, response.text
@@ -197,7 +194,7 @@ def test_a_different_initial_checkpoint_is_refused_naming_both_digests(
     run = seeded_run(api, tiny_workflow(phases=1))
     fail_run(api, run)
     # The same path, other content: its digest is what counts.
-    base.write_bytes(b"retrained weights!")
+    write_weights(api, "base.safetensors", b"retrained weights!")
 
     error = assert_error(
         resume(api, run["id"], {"initial_checkpoint": str(base)}), 409, "signature_mismatch"

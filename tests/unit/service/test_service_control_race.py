@@ -28,7 +28,10 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "workflows"
 def test_a_cancel_racing_a_finish_does_not_overwrite_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings = ServiceSettings(home=tmp_path, data_root=EXAMPLES, broker_url="memory://")
+    # The demo's relative paths leave its folder ("../data"): the examples are the data root.
+    settings = ServiceSettings(
+        home=tmp_path, data_root=EXAMPLES, data_roots=(EXAMPLES.parent,), broker_url="memory://"
+    )
     upgrade_database(settings.database_url)
     sessions = make_session_factory(settings.database_url)
     workflow = json.loads((EXAMPLES / "demo.json").read_text())
@@ -39,6 +42,7 @@ def test_a_cancel_racing_a_finish_does_not_overwrite_it(
             request=RunCreate(workflow=workflow),
             idempotency_key=None,
             data_root=EXAMPLES,
+            roots=settings.paths,
             default_max_restarts=3,
             default_max_preemptions=3,
         )

@@ -412,7 +412,7 @@ def test_worker_runs_a_job_and_posts_its_report(
 
     monkeypatch.setattr(inspect, "inspect_file", inspect_file)
     job = submit_inspection(api)
-    settings = WorkerSettings(home=tmp_path / "worker")
+    settings = WorkerSettings(home=tmp_path / "worker", data_roots=(tmp_path,))
     with service_client(api) as client:
         outcome = run_job("inspection", job["id"], job["request"], settings=settings, client=client)
         assert outcome is not None and outcome.status == "succeeded"
@@ -430,7 +430,9 @@ def test_worker_runs_a_job_and_posts_its_report(
 def test_worker_prepares_a_store_once_and_posts_where_it_is(api: Api, tmp_path: Path) -> None:
     from worker.jobs import run_job
 
-    settings = WorkerSettings(home=tmp_path / "worker", artifact_root=tmp_path / "artifacts")
+    settings = WorkerSettings(
+        home=tmp_path / "worker", artifact_root=tmp_path / "artifacts", data_roots=(tmp_path,)
+    )
     results = []
     with service_client(api) as client:
         for _ in range(2):
@@ -467,7 +469,7 @@ def test_worker_reports_a_bad_file_as_a_failed_job_with_its_message(
 
     monkeypatch.setattr(inspect, "inspect_file", inspect_file)
     job = submit_inspection(api)
-    settings = WorkerSettings(home=tmp_path / "worker")
+    settings = WorkerSettings(home=tmp_path / "worker", data_roots=(tmp_path,))
     with service_client(api) as client:
         outcome = run_job("inspection", job["id"], job["request"], settings=settings, client=client)
     assert outcome is not None and outcome.status == "failed"
@@ -487,7 +489,7 @@ def test_worker_reports_an_unexpected_error_with_its_type_and_place(
 
     monkeypatch.setattr(inspect, "inspect_file", inspect_file)
     job = submit_inspection(api)
-    settings = WorkerSettings(home=tmp_path / "worker")
+    settings = WorkerSettings(home=tmp_path / "worker", data_roots=(tmp_path,))
     with service_client(api) as client:
         run_job("inspection", job["id"], job["request"], settings=settings, client=client)
     read = api.client.get(f"/datasets/inspections/{job['id']}", headers=api.admin).json()
@@ -585,6 +587,8 @@ def test_an_evaluation_with_a_non_finite_loss_fails_instead_of_looping(
 
     monkeypatch.setattr(evaluate, "evaluate_checkpoint", evaluate_checkpoint)
     request = {"checkpoint": "/m", "task": "summarization", "data": "/e", "sequence_length": 8}
-    outcome = jobs.job_outcome("evaluation", request, settings=WorkerSettings(device="cpu"))
+    # The request's paths are stand-ins (nothing reads them): the whole disk is the data root.
+    settings = WorkerSettings(device="cpu", data_roots=(Path("/"),))
+    outcome = jobs.job_outcome("evaluation", request, settings=settings)
     assert outcome.status == "failed"
     assert outcome.error is not None and "non-finite" in outcome.error

@@ -116,7 +116,11 @@ def test_a_refused_success_ends_the_attempt_as_an_infrastructure_failure(
     lease lapsed; a failed finish lets the run recover from its latest checkpoint now."""
     phase = {"name": "sft", "objective": "qa_reasoning", "data": [make_pairs_file()], "steps": 2}
     settings = WorkerSettings(
-        home=tmp_path / "home", device="cpu", heartbeat_seconds=3600, spool_flush_seconds=0
+        home=tmp_path / "home",
+        device="cpu",
+        heartbeat_seconds=3600,
+        spool_flush_seconds=0,
+        data_roots=(tmp_path.parent,),  # the session's tokenizer and this test's files
     )
     service = RefusingSuccess(make_claim(make_workflow([phase])))
     assert attempt(service, settings) is None

@@ -118,13 +118,17 @@ def conflict(code: str) -> httpx.Response:
 
 
 @pytest.fixture
-def settings(tmp_path: Path) -> WorkerSettings:
+def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> WorkerSettings:
     # The lease keeper stays silent through these short attempts (its first beat would come
     # after an hour), and buffered points go out at fencing checks and the finish: the
     # requests the loop makes are then the same every run. Tests of the keeper's orders make
-    # it beat often (`beating`).
+    # it beat often (`beating`). The test files (and the session's tokenizer) are the data.
     return WorkerSettings(
-        home=tmp_path / "home", device="cpu", heartbeat_seconds=3600, spool_flush_seconds=0
+        home=tmp_path / "home",
+        device="cpu",
+        heartbeat_seconds=3600,
+        spool_flush_seconds=0,
+        data_roots=(tmp_path_factory.getbasetemp(),),
     )
 
 

@@ -1,0 +1,125 @@
+"""Confined paths: the one rule for every path the API accepts, applied by the service when a
+request names a file and again by the worker before it reads one (defence in depth).
+
+A path may be read when it *resolves* (symlinks and `..` followed, `os.path.realpath`) inside
+one of the data roots (`TRAINCTL_DATA_ROOTS`, folders separated by `os.pathsep`, ":" on POSIX;
+default: the service's `TRAINCTL_DATA_ROOT`). A checkpoint (an initial checkpoint, a pretrained
+model directory, the checkpoint of an evaluation) may also lie in the artifact store's `runs/`
+folder, where trainctl writes the checkpoints of runs. For a directory, every file in it that a
+reader could open (what `contracts.signature.sha256_path` hashes) must resolve inside too: a
+link in a root that points out of it is refused like the path of its target.
+
+The rule is applied to absolute paths; the reading side first resolves a relative one against
+its base folder (runtime.path.resolve_path). Nothing here is read but directory entries and
+links.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+# The environment variable both sides read, and what separates its folders.
+ROOTS_VARIABLE = "TRAINCTL_DATA_ROOTS"
+SEPARATOR = os.pathsep
+# Under the artifact root: the folder of runs' checkpoints (service.lease: <root>/runs/<run>).
+RUNS_FOLDER = "runs"
+
+# What a path names: data (a data file, a tokenizer) or a checkpoint (weights and config).
+PathUse = Literal["data", "checkpoint"]
+
+
+def split_roots(value: str) -> list[str]:
+    """The folders of a `TRAINCTL_DATA_ROOTS` value: `os.pathsep`-separated, blanks ignored."""
+    return [part.strip() for part in value.split(SEPARATOR) if part.strip()]
+
+
+def _real(path: str | Path) -> Path:
+    """`path` with `~` expanded and every symlink and `..` resolved (what exists of it)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _inside(path: Path, roots: Iterable[Path]) -> bool:
+    return any(path == root or path.is_relative_to(root) for root in roots)
+
+
+@dataclass(frozen=True)
+class DataRoots:
+    """The folders paths given to the API must resolve inside: `roots` for everything, and
+    `checkpoint_roots` besides for checkpoints. All are real paths (resolved when made)."""
+
+    roots: tuple[Path, ...]
+    checkpoint_roots: tuple[Path, ...] = ()
+
+    @classmethod
+    def of(
+        cls, roots: Iterable[str | Path], *, artifact_root: str | Path | None = None
+    ) -> DataRoots:
+        """The rule over `roots` (each resolved now), with `<artifact_root>/runs` for
+        checkpoints when an artifact root is given."""
+        resolved = tuple(dict.fromkeys(_real(root) for root in roots))
+        if not resolved:
+            raise ValueError(f"{ROOTS_VARIABLE} names no folder")
+        extra = () if artifact_root is None else (_real(Path(artifact_root) / RUNS_FOLDER),)
+        return cls(roots=resolved, checkpoint_roots=extra)
+
+    def allowed(self, use: PathUse) -> tuple[Path, ...]:
+        return self.roots + (self.checkpoint_roots if use == "checkpoint" else ())
+
+    def describe(self, use: PathUse = "data") -> str:
+        """The folders of `use`, for messages: "/srv/data, /srv/shared"."""
+        return ", ".join(str(root) for root in self.allowed(use))
+
+    def refusal(self, path: str, use: PathUse = "data") -> str | None:
+        """Why `path` (absolute) may not be read, or None. A path outside every root is named
+        with the roots; one that lies in a root but resolves out of it (through a link) is named
+        with its target too. A directory's files are checked as well (`tree_refusal`)."""
+        if "\0" in path:
+            return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
+        try:
+            given = Path(path).expanduser()
+            if not given.is_absolute():
+                return f"{path} is not an absolute path; give it relative to the data root"
+            real = _real(given)
+            if not _inside(real, self.allowed(use)):
+                # The target is named only when the path itself lies in a root: then the link
+                # is the operator's own; of a path outside, nothing beyond its name is told.
+                lexical = Path(os.path.normpath(given))
+                through = (
+                    f" (it resolves to {real})"
+                    if real != lexical and _inside(lexical, self.allowed(use))
+                    else ""
+                )
+                return (
+                    f"{path}{through} is outside the {self._folders(use)} "
+                    f"({self.describe(use)}); trainctl reads files only under "
+                    f"{ROOTS_VARIABLE}"
+                )
+            return self.tree_refusal(real, use, shown=path)
+        except (OSError, ValueError) as err:  # a name too long, a path the OS refuses
+            return f"{path[:200]!r} is not a usable path ({err})"
+
+    def tree_refusal(self, directory: Path, use: PathUse, *, shown: str) -> str | None:
+        """Why a file in `directory` (real) may not be read: the first one, in sorted order,
+        that resolves outside the roots of `use`; None when none does (or it is no directory).
+        Walks what `contracts.signature.sha256_path` hashes: files, links to files included."""
+        if not directory.is_dir():
+            return None
+        allowed = self.allowed(use)
+        for child in sorted(directory.rglob("*")):
+            if not child.is_symlink():
+                continue  # a plain entry of a real directory inside a root stays inside
+            target = _real(child)
+            if not _inside(target, allowed):
+                rel = child.relative_to(directory).as_posix()
+                return (
+                    f"{shown} holds {rel}, a link to {target}, "
+                    f"outside the {self._folders(use)} ({self.describe(use)})"
+                )
+        return None
+
+    def _folders(self, use: PathUse) -> str:
+        return "data roots" if use == "data" else "data roots and the artifact store's runs"
