@@ -10,11 +10,12 @@
     scale, the full read of one series (no max_points) is timed too.
 (b) Metric ingest as a worker sends it: sequential POSTs of batches of
     contracts.reports.MAX_POINTS_PER_BATCH points to /internal/attempts/{id}/metrics with the
-    claim's fencing token, in points/s; against a raw psycopg COPY of the same points into the
-    same table (other names, same run), committed.
+    claim's fencing token, in points/s, by one sender and by several at once (--senders; each
+    a worker of its own run, sending its share of the points); against a raw psycopg COPY of
+    as many points into the same table, committed.
 
     .venv/bin/python bench/metrics_reads.py [--series 10] [--steps 100000] [--reads 30]
-        [--ingest-points 200000]
+        [--ingest-points 200000] [--senders 1,2,4]
 
 Needs Postgres (TEST_POSTGRES_URL, default postgresql://postgres@127.0.0.1:5432/test): a
 database is created for the run and dropped at the end, with the server it started and its
@@ -30,6 +31,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -142,6 +144,65 @@ def copy_points(
         return time.perf_counter() - start
 
 
+def claim(client: httpx.Client, attempt_id: str, worker: dict[str, str]) -> str:
+    """Claim the attempt as a worker would; its fencing token."""
+    answer = client.post(
+        f"/internal/attempts/{attempt_id}/claim",
+        json={"hostname": "bench", "pid": os.getpid(), "nonce": uuid.uuid4().hex},
+        headers=worker,
+    )
+    answer.raise_for_status()
+    return str(answer.json()["fencing_token"])
+
+
+def post_concurrently(
+    base: str,
+    worker: dict[str, str],
+    attempts: list[tuple[str, str]],
+    batches: list[list[tuple[str, int, float]]],
+) -> float:
+    """Seconds for one sender per (attempt, fencing token), each with its own connection and
+    thread, to post every batch in order to its attempt, as a worker's reporter does. The
+    bodies are encoded before the clock starts."""
+    barrier = threading.Barrier(len(attempts) + 1)
+    failures: list[BaseException] = []
+
+    def send(attempt_id: str, token: str) -> None:
+        bodies = [
+            json.dumps(
+                {
+                    "fencing_token": token,
+                    "points": [{"name": n, "step": s, "value": v} for n, s, v in batch],
+                }
+            )
+            for batch in batches
+        ]
+        with httpx.Client(base_url=base, timeout=600) as client:
+            barrier.wait()
+            try:
+                for body, batch in zip(bodies, batches, strict=True):
+                    answer = client.post(
+                        f"/internal/attempts/{attempt_id}/metrics",
+                        content=body,
+                        headers={**worker, "Content-Type": "application/json"},
+                    )
+                    answer.raise_for_status()
+                    assert answer.json() == {"accepted": len(batch), "errors": []}, answer.text
+            except BaseException as err:  # reported by the main thread
+                failures.append(err)
+
+    threads = [threading.Thread(target=send, args=pair) for pair in attempts]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return time.perf_counter() - start
+
+
 def timed(call: Callable[[], httpx.Response]) -> float:
     start = time.perf_counter()
     response = call()
@@ -195,6 +256,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--reads", type=int, default=30)
     parser.add_argument("--ingest-points", type=int, default=200_000)
+    parser.add_argument(
+        "--senders",
+        type=lambda text: [int(k) for k in text.split(",")],
+        default=[1, 2, 4],
+        help="concurrent senders to measure ingest with, each sending its share of the points",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch, database() as url:
@@ -212,35 +279,27 @@ def main() -> None:
                 run.raise_for_status()
                 return run.json()["id"], run.json()["attempts"][0]["id"]
 
-            # (b) ingest over HTTP, then COPY of the same points.
-            run_id, attempt_id = new_run("bench-ingest")
-            claim = client.post(
-                f"/internal/attempts/{attempt_id}/claim",
-                json={"hostname": "bench", "pid": os.getpid(), "nonce": uuid.uuid4().hex},
-                headers=worker,
-            )
-            claim.raise_for_status()
-            token = claim.json()["fencing_token"]
-            steps = args.ingest_points // args.series
-            sent = list(points("http/", args.series, steps))
-            batches = [
-                sent[i : i + MAX_POINTS_PER_BATCH]
-                for i in range(0, len(sent), MAX_POINTS_PER_BATCH)
-            ]
-            start = time.perf_counter()
-            for batch in batches:
-                body = {
-                    "fencing_token": token,
-                    "points": [{"name": n, "step": s, "value": v} for n, s, v in batch],
-                }
-                answer = client.post(
-                    f"/internal/attempts/{attempt_id}/metrics", json=body, headers=worker
+            # (b) ingest over HTTP, by 1, 2, ... concurrent senders (each a worker with its
+            # own run and claimed attempt), then COPY of the same number of points.
+            ingest: dict[int, tuple[int, float]] = {}
+            for senders in args.senders:
+                attempts = []
+                for k in range(senders):
+                    run_id, attempt_id = new_run(f"bench-ingest-{senders}-{k}")
+                    attempts.append((attempt_id, claim(client, attempt_id, worker)))
+                steps = args.ingest_points // senders // args.series
+                sent = list(points("http/", args.series, steps))
+                batches = [
+                    sent[i : i + MAX_POINTS_PER_BATCH]
+                    for i in range(0, len(sent), MAX_POINTS_PER_BATCH)
+                ]
+                ingest[senders] = (
+                    senders * len(sent),
+                    post_concurrently(base, worker, attempts, batches),
                 )
-                answer.raise_for_status()
-                assert answer.json() == {"accepted": len(batch), "errors": []}, answer.text
-            http_seconds = time.perf_counter() - start
+            n = ingest[args.senders[0]][0]
             copy_seconds = copy_points(
-                url, run_id, attempt_id, list(points("copy/", args.series, steps))
+                url, run_id, attempt_id, list(points("copy/", args.series, n // args.series))
             )
 
             # (a) reads over a run of series x steps points, written by COPY.
@@ -280,14 +339,15 @@ def main() -> None:
         f"\nFull read of one series ({args.steps:,} points, no max_points): median "
         f"{statistics.median(full):.0f} ms of 3.\n"
     )
-    n = len(sent)
-    http_rate, copy_rate = n / http_seconds, n / copy_seconds
+    copy_rate = n / copy_seconds
     print("| ingest | points | seconds | points/s | / COPY |")
     print("|---|---:|---:|---:|---:|")
-    print(
-        f"| HTTP, {len(batches)} batches of {MAX_POINTS_PER_BATCH} | {n:,} | {http_seconds:.2f} "
-        f"| {http_rate:,.0f} | {http_rate / copy_rate:.2f}x |"
-    )
+    for senders, (sent_points, seconds) in ingest.items():
+        rate = sent_points / seconds
+        print(
+            f"| HTTP, {senders} sender{'s' * (senders > 1)}, batches of {MAX_POINTS_PER_BATCH} "
+            f"| {sent_points:,} | {seconds:.2f} | {rate:,.0f} | {rate / copy_rate:.2f}x |"
+        )
     print(f"| psycopg COPY | {n:,} | {copy_seconds:.2f} | {copy_rate:,.0f} | 1 |")
 
 
