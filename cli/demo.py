@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from rich.table import Table
 from cli.client import ApiClient
 from cli.stack import free_port, spawn, stop, wait_healthy
 from cli.watch import watch
+from contracts.paths import ROOTS_VARIABLE
+from contracts.workflow import path_fields
 
 console = Console()
 
@@ -51,6 +54,13 @@ def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[s
     return out
 
 
+def data_folder(workflow: dict[str, Any]) -> str:
+    """The folder holding every file the (resolved) workflow names: the demo stack's data root,
+    wherever `trainctl demo` is started from."""
+    folders = [os.path.dirname(value) for _, value, _ in path_fields(workflow)]
+    return os.path.commonpath(folders) if folders else os.getcwd()
+
+
 def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -58,7 +68,9 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
     log = home / "demo-stack.log"
     console.print(f"starting the embedded stack on {url} (home {home}, log {log})")
     stack = spawn(
-        ["up", "--port", str(port), "--workers", "1"], env={"TRAINCTL_HOME": str(home)}, log=log
+        ["up", "--port", str(port), "--workers", "1"],
+        env={"TRAINCTL_HOME": str(home), ROOTS_VARIABLE: data_folder(workflow)},
+        log=log,
     )
     try:
         wait_healthy(url, timeout=120, process=stack)
