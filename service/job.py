@@ -182,13 +182,25 @@ def _finished(job: Job) -> ApiError:
     )
 
 
-def start_job(*, session: Session, job_id: str) -> Job:
-    """Mark the job running (again, when a message is delivered twice or a worker died on it);
+def _foreign_job(job: Job) -> ApiError:
+    return ApiError(
+        403,
+        "forbidden",
+        f"job {job.id} was started with another worker token; only its outcome is taken: "
+        "drop this message",
+        {"job_id": job.id},
+    )
+
+
+def start_job(*, session: Session, job_id: str, token_id: str | None = None) -> Job:
+    """Mark the job running (again, when a message is delivered twice or a worker died on it),
+    claimed by the worker token `token_id`: its outcome must come from that token;
     404 when unknown, 409 `job_finished` once it has an outcome."""
+    claim = {} if token_id is None else {"claim_token_id": token_id}
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(("queued", "running")))
-        .values(status="running", started_at=utcnow())
+        .values(status="running", started_at=utcnow(), **claim)
         .execution_options(synchronize_session=False)
     )
     if rowcount(result) != 1:
@@ -227,12 +239,18 @@ def checked_outcome(kind: str, outcome: JobOutcome) -> tuple[dict[str, Any] | No
     return result, None
 
 
-def finish_job(*, session: Session, job_id: str, outcome: JobOutcome) -> Job:
+def finish_job(
+    *, session: Session, job_id: str, outcome: JobOutcome, token_id: str | None = None
+) -> Job:
     """Store a started job's outcome, once (a conditional UPDATE: the first outcome wins). A
     job queued again after its timeout still takes the outcome of the worker that was only
     slow. The same outcome again answers the job as stored; another one is 409
-    `job_finished`, and an outcome for a job never started 409 `job_not_started`."""
+    `job_finished`, and an outcome for a job never started 409 `job_not_started`. With
+    `token_id`, an outcome from another worker token than the one that last started the job
+    is 403 `forbidden`."""
     job = get_job(session=session, job_id=job_id)
+    if token_id is not None and job.claim_token_id not in (None, token_id):
+        raise _foreign_job(job)
     result, error = checked_outcome(job.kind, outcome)
     values: dict[str, Any] = {"status": outcome.status, "error": error, "finished_at": utcnow()}
     if result is not None:
@@ -243,6 +261,7 @@ def finish_job(*, session: Session, job_id: str, outcome: JobOutcome) -> Job:
             Job.id == job_id,
             Job.started_at.is_not(None),
             Job.status.in_(("queued", "running")),
+            *([] if token_id is None else [Job.claim_token_id == token_id]),
         )
         .values(**values)
         .execution_options(synchronize_session=False)
@@ -254,6 +273,8 @@ def finish_job(*, session: Session, job_id: str, outcome: JobOutcome) -> Job:
     job = get_job(session=session, job_id=job_id)
     if (job.status, job.result, job.error) == (outcome.status, result, error):
         return job
+    if token_id is not None and job.claim_token_id not in (None, token_id):
+        raise _foreign_job(job)
     if job.status == "queued":
         raise ApiError(
             409,

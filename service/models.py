@@ -306,6 +306,8 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text)
     # The token that created the job, as for runs (Run.owner_id).
     owner_id: Mapped[str | None] = mapped_column(String(32))
+    # The worker token that last started it: its outcome must come from that token.
+    claim_token_id: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

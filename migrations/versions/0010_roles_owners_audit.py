@@ -9,6 +9,8 @@ Create Date: 2026-12-01
   is refused, its row kept (its runs keep their owner, the audit trail its name).
 - `runs.owner_id` and `jobs.owner_id`: the id of the token that created them. Rows made before
   this revision keep NULL: no user token owns them, so only admin and viewer tokens see them.
+- `jobs.claim_token_id`: the worker token that last started a job; its outcome must come from
+  that token.
 - `audit_events`: who changed what, when and from where (service.audit).
 
 Downgrade drops the audit trail and the owners, and deletes user and viewer tokens (the old
@@ -40,6 +42,7 @@ def upgrade() -> None:
         batch.create_index("ix_runs_owner_id_created_at", ["owner_id", "created_at"])
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("owner_id", sa.String(32), nullable=True))
+        batch.add_column(sa.Column("claim_token_id", sa.String(32), nullable=True))
     op.create_table(
         "audit_events",
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
@@ -62,6 +65,7 @@ def downgrade() -> None:
     op.drop_index("ix_audit_events_action_id", table_name="audit_events")
     op.drop_table("audit_events")
     with op.batch_alter_table("jobs") as batch:
+        batch.drop_column("claim_token_id")
         batch.drop_column("owner_id")
     with op.batch_alter_table("runs") as batch:
         batch.drop_index("ix_runs_owner_id_created_at")

@@ -13,6 +13,7 @@ from service.deps import (
     PumpDep,
     SessionDep,
     SettingsDep,
+    WorkerDep,
     require_api,
     require_worker,
 )
@@ -119,15 +120,16 @@ def read_evaluation(job_id: str, session: SessionDep, token: ApiTokenDep) -> Job
 
 
 @internal.post("/{job_id}/start")
-def start(job_id: str, session: SessionDep) -> JobPublic:
+def start(job_id: str, session: SessionDep, token: WorkerDep) -> JobPublic:
     """Mark the job running; the answer carries its request. 409 `job_finished` once it has an
     outcome: drop the message."""
-    return job_public(start_job(session=session, job_id=job_id))
+    return job_public(start_job(session=session, job_id=job_id, token_id=token.id))
 
 
 @internal.post("/{job_id}/result")
-def result(job_id: str, body: JobOutcome, session: SessionDep) -> JobPublic:
-    return job_public(finish_job(session=session, job_id=job_id, outcome=body))
+def result(job_id: str, body: JobOutcome, session: SessionDep, token: WorkerDep) -> JobPublic:
+    """The job's outcome, from the worker token that started it (else 403)."""
+    return job_public(finish_job(session=session, job_id=job_id, outcome=body, token_id=token.id))
 
 
 router = APIRouter()

@@ -334,3 +334,31 @@ def test_the_tokens_commands_list_revoke_and_rotate_into_a_0600_file(
         assert [e["action"] for e in events] == ["token.revoke", "token.rotate", "token.create"]
         assert all(e["actor_name"].startswith("trainctl tokens (") for e in events)
         assert all(e["actor_token_id"] is None and e["client_address"] for e in events)
+
+
+def test_a_job_s_outcome_is_taken_only_from_the_worker_token_that_started_it(
+    tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
+) -> None:
+    tiny_workflow(phases=1, steps=4)  # its data files
+    outcome = {"status": "failed", "error": "the file could not be read"}
+    with processes() as procs:
+        stack = make_stack(tmp_path, postgres_url, procs)
+        with (
+            stack.api() as admin,
+            client(stack, stack.worker_token) as first,
+            client(stack, stack.token("worker")) as second,
+        ):
+            job_id = inspect(admin)
+            assert first.post(f"/internal/jobs/{job_id}/start").status_code == 200
+            error = assert_error(
+                second.post(f"/internal/jobs/{job_id}/result", json=outcome), 403, "forbidden"
+            )
+            assert job_id in error["message"] and stack.worker_token not in error["message"]
+            # Started again by the second (the first one's message was delivered twice, say):
+            # now only the second's outcome is taken.
+            assert second.post(f"/internal/jobs/{job_id}/start").status_code == 200
+            refused = first.post(f"/internal/jobs/{job_id}/result", json=outcome)
+            assert_error(refused, 403, "forbidden")
+            taken = second.post(f"/internal/jobs/{job_id}/result", json=outcome)
+            assert taken.status_code == 200 and taken.json()["status"] == "failed"
+            assert admin.get(f"/datasets/inspections/{job_id}").json()["status"] == "failed"
