@@ -68,6 +68,17 @@ export async function getJson(path, params = {}, { signal } = {}) {
   return response.json();
 }
 
+export async function postJson(path, body = undefined) {
+  const response = await fetch(path, {
+    method: "POST",
+    headers: headers({ Accept: "application/json", "Content-Type": "application/json" }),
+    body: body === undefined ? undefined : JSON.stringify(body),
+    cache: "no-store",
+  });
+  if (!response.ok) throw await errorOf(response);
+  return response.json();
+}
+
 // Split a text/event-stream into events ({event, data, id}); comments (heartbeats) are
 // dropped. Fed chunks as they arrive; calls onEvent for each complete event.
 export class EventStreamParser {

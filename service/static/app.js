@@ -1,7 +1,15 @@
 // The dashboard: a runs table (#/) and a run page (#/runs/<id>) that follows the run's events.
 // Data from the API is always inserted as text (textContent), never as markup.
 
-import { ApiError, followRunEvents, forgetToken, getJson, getToken, setToken } from "./api.js";
+import {
+  ApiError,
+  followRunEvents,
+  forgetToken,
+  getJson,
+  getToken,
+  postJson,
+  setToken,
+} from "./api.js";
 import {
   destroyPlot,
   evalChart,
@@ -24,8 +32,12 @@ const $ = (selector) => document.querySelector(selector);
 // Everything the open page holds, so that leaving it stops its timers, stream and charts.
 let page = null;
 
-// Read by the browser tests and handy in the console: the open run page's state and charts.
-window.trainctl = { page: null };
+// What the token may do (GET /whoami), read once per token: the page offers only that.
+let me = null;
+
+// Read by the browser tests and handy in the console: the open run page's state and charts,
+// and the token's role.
+window.trainctl = { page: null, me: null };
 
 // --- small DOM helpers ------------------------------------------------------------------
 
@@ -47,6 +59,9 @@ function el(tag, attributes = {}, ...children) {
 function show(view) {
   for (const id of ["token-view", "runs-view", "run-view"]) $(`#${id}`).hidden = id !== view;
   $("#forget-token").hidden = !getToken();
+  const who = $("#whoami");
+  who.textContent = me ? `${me.name} (${me.role})` : "";
+  who.hidden = !me || !getToken();
 }
 
 function showMessage(text) {
@@ -100,12 +115,13 @@ function phaseLabel(run) {
 function handleError(err) {
   if (err instanceof ApiError && err.unauthorized) {
     forgetToken();
+    forgetMe();
     stopPage();
     show("token-view");
     const what =
       err.status === 401
         ? "The service did not accept the token"
-        : "This token may not read runs (the dashboard needs an admin token)";
+        : "This token may not read runs (the dashboard needs an admin, user or viewer token)";
     showMessage(`${what} (${err.status} ${err.code}): ${err.message}`);
     $("#token-input").focus();
     return;
@@ -122,6 +138,7 @@ $("#token-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const token = $("#token-input").value.trim();
   if (!token) return;
+  forgetMe();
   setToken(token);
   $("#token-input").value = "";
   clearMessage();
@@ -130,6 +147,7 @@ $("#token-form").addEventListener("submit", (event) => {
 
 $("#forget-token").addEventListener("click", () => {
   forgetToken();
+  forgetMe();
   stopPage();
   clearMessage();
   route();
@@ -150,12 +168,26 @@ function stopPage() {
   window.trainctl.page = null;
 }
 
-function route() {
+function forgetMe() {
+  me = null;
+  window.trainctl.me = null;
+}
+
+async function route() {
   stopPage();
   if (!getToken()) {
     show("token-view");
     $("#token-input").focus();
     return;
+  }
+  if (!me) {
+    try {
+      me = await getJson("/whoami");
+      window.trainctl.me = me;
+    } catch (err) {
+      handleError(err);
+      return;
+    }
   }
   const match = location.hash.match(/^#\/runs\/([^/?#]+)$/);
   if (match) openRun(decodeURIComponent(match[1]));
@@ -493,8 +525,52 @@ function setLive(state) {
   if (page) page.live = state;
 }
 
+// --- run controls: shown only to tokens that may write (user tokens see only their own runs) ---
+
+const ACTIVE = new Set(["queued", "running", "recovering"]);
+const RESUMABLE = new Set(["failed", "paused", "cancelled"]);
+
+function renderControls(run) {
+  const controls = $("#run-controls");
+  controls.hidden = !(me && me.can_write);
+  if (controls.hidden) return;
+  $("#pause-run").disabled = !ACTIVE.has(run.status) || Boolean(run.pause_requested_at);
+  $("#resume-run").disabled = !RESUMABLE.has(run.status);
+  $("#cancel-run").disabled = FINISHED.has(run.status);
+}
+
+for (const button of document.querySelectorAll("#run-controls button")) {
+  button.addEventListener("click", async () => {
+    const current = page;
+    if (!current || current.kind !== "run" || !current.run) return;
+    const action = button.dataset.action;
+    if (action === "cancel" && !window.confirm(`Cancel run ${current.run.name}?`)) return;
+    button.disabled = true;
+    try {
+      const run = await postJson(
+        `/runs/${encodeURIComponent(current.runId)}/${action}`,
+        action === "resume" ? {} : undefined,
+      );
+      clearMessage();
+      if (page !== current) return;
+      current.run = run;
+      renderRun(current);
+      // A resumed run gets a new attempt: follow it from the start again.
+      if (action === "resume" && current.live !== "live") {
+        stopPage();
+        openRun(current.runId);
+      }
+    } catch (err) {
+      if (err instanceof ApiError) showMessage(`${action}: ${err.status} ${err.code}: ${err.message}`);
+      else handleError(err);
+      if (page === current) renderControls(current.run);
+    }
+  });
+}
+
 function renderRun(current) {
   const { run } = current;
+  renderControls(run);
   document.title = `${run.name} · trainctl`;
   $("#run-title").textContent = run.name;
   const status = $("#run-status");

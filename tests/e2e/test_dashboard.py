@@ -355,3 +355,88 @@ def test_a_queued_run_says_it_waits_for_a_worker_until_one_pings_and_the_workers
         wait_for(browser, "document.querySelector('#run-status').textContent === 'running'", "run")
         assert not browser.find_element(By.ID, "run-waiting").is_displayed()
         assert_no_console_errors(browser)
+
+
+def sign_in_with(driver: WebDriver, live: LiveStack, token: str) -> None:
+    """Open the dashboard signed out and enter `token` in its form."""
+    driver.get(live.url + "/")
+    driver.execute_script("sessionStorage.clear();")
+    driver.get(live.url + "/#/")
+    driver.refresh()
+    wait_for(driver, "!document.querySelector('#token-view').hidden", "the token form shows")
+    driver.find_element(By.ID, "token-input").send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+    wait_for(driver, "!document.querySelector('#runs-view').hidden", "the runs table shows")
+
+
+def test_a_viewer_reads_every_run_without_controls_and_a_user_controls_only_its_own(
+    tmp_path: Path, postgres_url: str, redis_url: str, browser: WebDriver, artifacts: Path
+) -> None:
+    with live_stack(tmp_path, postgres_url, redis_url) as live:
+        running, _ = live.running_run(until=38)
+        viewer_token, user_token = live.stack.token("viewer"), live.stack.token("user")
+        with httpx.Client(
+            base_url=live.url, headers={"Authorization": f"Bearer {user_token}"}, timeout=30
+        ) as as_user:
+            workflow = live.submit("template")["id"]  # an admin's run the user must not see
+            body = {"workflow_id": live.run(workflow)["workflow_id"], "name": "users-own"}
+            created = as_user.post("/runs", json=body)
+            assert created.status_code == 201, created.text
+            own = created.json()["id"]
+
+        # A viewer (a team screen): every run, no control anywhere.
+        sign_in_with(browser, live, viewer_token)
+        wait_for(browser, "document.querySelectorAll('#runs-table tbody tr').length === 3", "rows")
+        assert browser.find_element(By.ID, "whoami").text == "viewer (viewer)"
+        browser.get(f"{live.url}/#/runs/{running}")
+        wait_for(browser, "window.trainctl.page && window.trainctl.page.live === 'live'", "live")
+        assert browser.execute_script("return document.querySelector('#run-controls').hidden;")
+        for button in ("pause-run", "resume-run", "cancel-run"):
+            assert not browser.find_element(By.ID, button).is_displayed(), button
+        browser.save_screenshot(str(artifacts / "viewer-run-page.png"))
+        assert_no_console_errors(browser)
+
+        # A user: its own run only, with the controls its status allows.
+        browser.find_element(By.ID, "forget-token").click()
+        sign_in_with(browser, live, user_token)
+        wait_for(browser, "document.querySelectorAll('#runs-table tbody tr').length === 1", "row")
+        assert (
+            browser.find_element(By.CSS_SELECTOR, "#runs-table tbody tr").get_attribute(
+                "data-run-id"
+            )
+            == own
+        )
+        assert browser.find_element(By.ID, "whoami").text == "user (user)"
+        browser.find_element(By.LINK_TEXT, "users-own").click()
+        wait_for(browser, "window.trainctl.page && window.trainctl.page.live === 'live'", "live")
+        pause, resume, cancel = (
+            browser.find_element(By.ID, b) for b in ("pause-run", "resume-run", "cancel-run")
+        )
+        assert pause.is_displayed() and pause.is_enabled()
+        assert not resume.is_enabled() and cancel.is_enabled()
+        pause.click()
+        wait_for(
+            browser, "document.querySelector('#run-status').textContent === 'paused'", "paused"
+        )
+        wait_for(browser, "!document.querySelector('#resume-run').disabled", "resume offered")
+        assert not pause.is_enabled()
+        browser.find_element(By.ID, "resume-run").click()
+        wait_for(
+            browser,
+            "document.querySelector('#run-status').textContent === 'recovering'",
+            "resumed",
+        )
+        browser.save_screenshot(str(artifacts / "user-run-page.png"))
+        assert [
+            e["action"] for e in live.api.get("/audit", params={"target_id": own}).json()["events"]
+        ] == ["run.resume", "run.pause", "run.create"]
+
+        # Another owner's run, asked for by its address: as if it did not exist.
+        browser.get(f"{live.url}/#/runs/{running}")
+        message = wait_for(
+            browser,
+            "!document.querySelector('#message').hidden && "
+            "document.querySelector('#message').textContent",
+            "a message about the missing run",
+        )
+        assert "run_not_found" in message, message
