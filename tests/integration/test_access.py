@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import WorkflowFactory
-from procs import Stack, cli, processes, run_cli
+from procs import Stack, cli, processes, run_cli, start_api
 
 pytestmark = pytest.mark.integration
 
@@ -362,3 +362,37 @@ def test_a_job_s_outcome_is_taken_only_from_the_worker_token_that_started_it(
             taken = second.post(f"/internal/jobs/{job_id}/result", json=outcome)
             assert taken.status_code == 200 and taken.json()["status"] == "failed"
             assert admin.get(f"/datasets/inspections/{job_id}").json()["status"] == "failed"
+
+
+def test_owners_and_the_audit_trail_on_the_embedded_stack_s_sqlite(
+    tmp_path: Path, tiny_workflow: WorkflowFactory
+) -> None:
+    workflow = tiny_workflow(phases=1, steps=4)
+    home = tmp_path / "home"
+    env = {"TRAINCTL_HOME": str(home), "TRAINCTL_DATA_ROOT": str(tmp_path / "data")}
+    with processes() as procs:
+        _, url = start_api(["up", "--workers", "0"], env=env, log=tmp_path / "up.log", procs=procs)
+        assert stat.S_IMODE((home / "token").stat().st_mode) == 0o600
+        assert stat.S_IMODE((home / "worker-token").stat().st_mode) == 0o600
+        admin_token = (home / "token").read_text().strip()
+        user_token = run_cli(["tokens", "create", "--name", "frank", "--role", "user"], env=env)
+        with (
+            httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {admin_token}"}, timeout=30
+            ) as admin,
+            httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {user_token.strip()}"}, timeout=30
+            ) as frank,
+        ):
+            admins_run = create_run(admin, workflow, "admin's")
+            franks = create_run(frank, workflow, "frank's")
+            assert frank.post(f"/runs/{franks}/pause").json()["status"] == "paused"
+            assert_error(frank.post(f"/runs/{admins_run}/cancel"), 404, "run_not_found")
+            assert [r["id"] for r in frank.get("/runs").json()["runs"]] == [franks]
+            assert admin.get("/runs").json()["count"] == 2
+            events = admin.get("/audit", params={"target_id": franks}).json()["events"]
+            assert [(e["action"], e["actor_name"]) for e in events] == [
+                ("run.pause", "frank"),
+                ("run.create", "frank"),
+            ]
+            assert admin.get("/whoami").json()["name"] == "admin (embedded)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,14 @@ from service.auth import (
     ensure_worker_token,
     find_token,
     hash_token,
+    list_tokens,
+    revoke_token,
+    rotate_token,
+    write_token_file,
 )
 from service.db import make_engine, make_session_factory, upgrade_database
-from service.models import ApiToken
+from service.errors import ApiError
+from service.models import ApiToken, AuditEvent
 from service.settings import ServiceSettings
 
 
@@ -79,3 +85,64 @@ def test_ensure_tokens_returns_both_tokens_and_is_stable(tmp_path: Path) -> None
     first = ensure_tokens(settings)
     assert first.admin != first.worker
     assert ensure_tokens(settings) == first
+
+
+def test_a_revoked_or_rotated_token_file_is_replaced_never_registered_again(
+    session: Session, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    first = ensure_admin_token(session=session, home=home)
+    assert first is not None
+    (row,) = list_tokens(session=session)
+    revoke_token(session=session, token_id=row.id, actor_name="test")
+    assert find_token(session=session, token=first) is None
+
+    # The next start writes a new token into the file instead of accepting the revoked one.
+    second = ensure_admin_token(session=session, home=home)
+    assert second is not None and second != first
+    assert (home / "token").read_text().strip() == second
+    assert stat.S_IMODE((home / "token").stat().st_mode) == 0o600
+    assert find_token(session=session, token=first) is None
+
+    # Rotated elsewhere: the file's old secret is not taken back either.
+    (live,) = list_tokens(session=session)
+    _, rotated = rotate_token(session=session, token_id=live.id, actor_name="test")
+    third = ensure_admin_token(session=session, home=home)
+    assert third not in (None, second, rotated)
+    assert find_token(session=session, token=second) is None
+    assert find_token(session=session, token=rotated) is not None
+
+
+def test_rotation_keeps_the_token_and_refuses_its_old_secret(session: Session) -> None:
+    old = create_token(session=session, name="ci", role="user")
+    row = find_token(session=session, token=old)
+    assert row is not None
+    rotated_row, new = rotate_token(session=session, token_id=row.id, actor_name="test")
+    assert (rotated_row.id, rotated_row.role, rotated_row.name) == (row.id, "user", "ci")
+    assert find_token(session=session, token=old) is None
+    found = find_token(session=session, token=new)
+    assert found is not None and found.id == row.id
+    revoke_token(session=session, token_id=row.id, actor_name="test")
+    assert find_token(session=session, token=new) is None
+    with pytest.raises(ApiError) as refused:
+        rotate_token(session=session, token_id=row.id, actor_name="test")
+    assert refused.value.code == "token_revoked"
+    actions = session.scalars(select(AuditEvent.action).order_by(AuditEvent.id)).all()
+    assert actions == ["token.create", "token.rotate", "token.revoke"]
+
+
+def test_a_token_file_is_written_0600_whatever_the_umask_and_the_file_before(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "secrets" / "token"
+    path.parent.mkdir()
+    path.write_text("old\n")
+    path.chmod(0o666)
+    before = os.umask(0)
+    try:
+        write_token_file(path, "new-secret")
+    finally:
+        os.umask(before)
+    assert path.read_text() == "new-secret\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["token"]  # no temporary file left
