@@ -99,7 +99,8 @@ class DataRoots:
                     f"{ROOTS_VARIABLE}"
                 )
             return self.tree_refusal(real, use, shown=path)
-        except (OSError, ValueError) as err:  # a name too long, a path the OS refuses
+        # A name too long, a path the OS refuses; RuntimeError: `~user` with no such user.
+        except (OSError, ValueError, RuntimeError) as err:
             return f"{path[:200]!r} is not a usable path ({err})"
 
     def tree_refusal(self, directory: Path, use: PathUse, *, shown: str) -> str | None:
