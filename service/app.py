@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from service import observability
 from service.db import make_engine, make_session_factory
 from service.dispatch import OutboxPump, make_celery
-from service.errors import RefuseNul, install_error_handlers
+from service.errors import RefuseNul, RequestBodyLimit, install_error_handlers
 from service.observability import MetricsMiddleware, Observability
 from service.reaper import Reaper
 from service.routes import (
@@ -76,6 +76,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.state.observability = Observability(session_factory)
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, observability=app.state.observability)
+    app.add_middleware(RequestBodyLimit)
     app.add_middleware(internal.BodyLimit)
     app.add_middleware(RefuseNul)
     for module in (

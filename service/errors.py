@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.workflow import json_path
 
@@ -183,6 +183,48 @@ class RefuseNul:
                 )
                 return
         await self.app(scope, receive, send)
+
+
+# The most bytes one request body may hold, on every route: a workflow document, a job
+# request, a worker's batch (routes/internal.py keeps its own limit, the same today). What is
+# over it is never read into memory, let alone parsed.
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class RequestBodyLimit:
+    """ASGI middleware: 413 `payload_too_large` for a body over `max_bytes` on any route, by
+    its Content-Length when it has one, else (chunked) as soon as the bytes read pass it."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int = MAX_REQUEST_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _message(self, told: int | None) -> str:
+        size = f"{told} bytes" if told is not None else "the body"
+        return (
+            f"{size} exceed the limit of {self.max_bytes} bytes per request; a workflow or a "
+            "request this large is not one this service takes"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            body = error_body(PayloadTooLarge.code, self._message(int(declared)))
+            await answer_json(send, 413, body)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise PayloadTooLarge(self._message(None))
+            return message
+
+        await self.app(scope, limited, send)
 
 
 async def answer_json(send: Send, status: int, body: dict[str, Any]) -> None:
