@@ -63,7 +63,7 @@ def empty_postgres_url() -> Iterator[str]:
             )
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def postgres_admin_url() -> str:
     """The maintenance database's URL, for tests that act on their own database from outside."""
     return POSTGRES_ADMIN_URL
@@ -76,7 +76,7 @@ def postgres_url(empty_postgres_url: str) -> str:
     return empty_postgres_url
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def redis_url() -> str:
     """The Redis broker URL, after checking that Redis answers."""
     client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5)

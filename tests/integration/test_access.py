@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from conftest import WorkflowFactory
 from procs import Stack, cli, processes, run_cli, start_api
+
+if TYPE_CHECKING:
+    from conftest import WorkflowFactory
 
 pytestmark = pytest.mark.integration
 

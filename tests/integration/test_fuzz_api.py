@@ -32,7 +32,6 @@ import pytest
 import redis
 import requests
 import schemathesis
-from conftest import POSTGRES_ADMIN_URL, REDIS_URL
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from procs import processes, start_api
@@ -136,15 +135,15 @@ def report(request: pytest.FixtureRequest) -> Iterator[Report]:
     out.write(request.config)
 
 
-def _postgres_database() -> Iterator[str]:
+def _postgres_database(admin_url: str) -> Iterator[str]:
     name = f"tc_{uuid.uuid4().hex}"
-    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=5) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    base = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
     try:
         yield f"{base}/{name}"
     finally:
-        with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+        with psycopg.connect(admin_url, autocommit=True, connect_timeout=5) as conn:
             drop = "DROP DATABASE IF EXISTS {} WITH (FORCE)"
             conn.execute(sql.SQL(drop).format(sql.Identifier(name)))
 
@@ -177,7 +176,9 @@ def _seed(live: Live, data: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+def live(
+    tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, redis_url: str
+) -> Iterator[Live]:
     tmp = tmp_path_factory.mktemp("fuzz")
     data = tmp / "data"
     data.mkdir()
@@ -202,13 +203,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         ],
     }
     queue = f"tc-fuzz-{uuid.uuid4().hex[:12]}"
-    database = _postgres_database()
+    database = _postgres_database(postgres_admin_url)
     url = next(database)
     try:
         env = {
             "TRAINCTL_HOME": str(tmp / "home"),
             "TRAINCTL_DATABASE_URL": url,
-            "TRAINCTL_BROKER_URL": REDIS_URL,
+            "TRAINCTL_BROKER_URL": redis_url,
             "TRAINCTL_QUEUE": queue,
             "TRAINCTL_ARTIFACT_ROOT": str(tmp / "artifacts"),
             "TRAINCTL_DATA_ROOT": str(data),
@@ -232,7 +233,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     finally:
         for _ in database:
             pass
-        client = redis.Redis.from_url(REDIS_URL)
+        client = redis.Redis.from_url(redis_url)
         try:
             client.delete(queue, *client.scan_iter(match=f"_kombu.binding*.{queue}"))
         finally:

@@ -5,10 +5,10 @@ user and viewer tokens (the old check refuses them), keeping the runs. On both d
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from alembic.script import ScriptDirectory
-from conftest import ApiFactory, SettingsFactory
 from sqlalchemy import text
 
 from contracts.workflow import Workflow, plan
@@ -20,6 +20,9 @@ from service.db import (
     make_session_factory,
     upgrade_database,
 )
+
+if TYPE_CHECKING:
+    from conftest import ApiFactory, SettingsFactory
 
 pytestmark = pytest.mark.integration
 
