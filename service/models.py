@@ -165,6 +165,10 @@ class Run(Base):
     # The id of the token that created the run (service.access stamps it); NULL for runs
     # created before owners were recorded (migration 0010), which only admins and viewers see.
     owner_id: Mapped[str | None] = mapped_column(String(32))
+    # The device count the run was last resumed with (POST /runs/{id}/resume `devices`): every
+    # later attempt, of this phase and the next ones, runs on it. None: as the workflow asks
+    # (contracts.workflow.Workflow.phase_devices).
+    devices: Mapped[int | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None]
@@ -186,6 +190,9 @@ class Attempt(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     number: Mapped[int]
     phase_index: Mapped[int]
+    # The torch.distributed ranks it runs on, fixed when it is queued (service.lifecycle.
+    # attempt_devices); its message goes to that count's queue (contracts.dispatch).
+    devices: Mapped[int] = mapped_column(default=1, server_default=text("1"))
     status: Mapped[str] = mapped_column(String(16), default="queued")
     # The claim's secret (None until claimed); every report must present it.
     fencing_token: Mapped[str | None] = mapped_column(String(64))
@@ -388,5 +395,9 @@ class Worker(Base):
     queue: Mapped[str | None] = mapped_column(String(200))
     token_id: Mapped[str | None] = mapped_column(String(32))
     attempt_id: Mapped[str | None] = mapped_column(String(32))  # the attempt it works on
+    # What its ping says it can run a phase on: `devices` of `device_kind` ("cpu", "cuda").
+    # None for a worker heard from only by its claims, which counts as one device.
+    devices: Mapped[int | None]
+    device_kind: Mapped[str | None] = mapped_column(String(16))
     first_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
