@@ -21,7 +21,7 @@ from contracts.bounds import (
     NUL_REPLACED,
 )
 from contracts.signature import Digests
-from contracts.workflow import name_defaults_to_task
+from contracts.workflow import MAX_DEVICES, name_defaults_to_task
 
 # Steps and counts are stored in 32-bit columns.
 Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
@@ -81,6 +81,9 @@ class Claim(BaseModel):
     # The encoding rules the run was signed with (contracts.workflow.ENCODER_VERSION); a worker
     # that encodes otherwise refuses the attempt. None: a run signed before it was signed.
     encoder_version: int | None = None
+    # The torch.distributed ranks this attempt runs on: the workflow's resources for the
+    # phase, or the count the run was last resumed with.
+    devices: int = Field(default=1, ge=1, le=MAX_DEVICES)
 
 
 class Preparing(BaseModel):
@@ -171,6 +174,10 @@ class WorkerPing(BaseModel):
     pid: int = Field(ge=1, le=MAX_COUNT)
     version: Annotated[str, Field(min_length=1, max_length=64), NO_NUL]
     queue: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL]
+    # What the worker can run a phase on: `devices` of `device_kind` ("cpu", "cuda"); it
+    # consumes the queues of 1 to `devices` ranks (contracts.dispatch.served_queues).
+    devices: int = Field(default=1, ge=1, le=MAX_DEVICES)
+    device_kind: Literal["cpu", "cuda"] = "cpu"
 
 
 # A removal's reason is a sentence with a path or two in it; a longer one is cut by the worker.

@@ -72,7 +72,7 @@ def signature_components(
 ) -> dict[str, Any]:
     return {
         "encoder_version": ENCODER_VERSION,
-        "workflow": workflow.normalized(),
+        "workflow": workflow.signed(),
         "initial_checkpoint": (
             None
             if digests.initial_checkpoint is None

@@ -151,6 +151,19 @@ class Schedule(_Strict):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
+# The most torch.distributed ranks one phase may ask of one worker (a machine of GPUs).
+MAX_DEVICES = 64
+
+
+class Resources(_Strict):
+    """What one attempt of a phase runs on: `devices` ranks of torch.distributed on one worker
+    (DDP: each rank holds the whole model and takes its share of every step's microbatches).
+    Not part of the run's identity: the same global batch is trained whatever the count, so
+    a run pre-empted on 8 devices may go on on 4 (`POST /runs/{id}/resume` `devices`)."""
+
+    devices: int = Field(1, ge=1, le=MAX_DEVICES)
+
+
 class Phase(_Strict):
     name: Name
     objective: Objective
@@ -175,6 +188,8 @@ class Phase(_Strict):
     optimizer_state: Literal["reset", "carry"] = Field(
         "reset", exclude_if=lambda value: value == "reset"
     )
+    # None: the workflow's `resources`. Never signed (Workflow.signed).
+    resources: Resources | None = Field(None, exclude_if=lambda value: value is None)
 
     def sources(self) -> list[SourceGeometry]:
         """Each data source with its defaults resolved from the phase."""
@@ -227,6 +242,8 @@ class Workflow(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     evals: list[EvalSpec] = []
     phases: list[Phase] = Field(min_length=1)
+    # Every phase's resources unless it gives its own. Never signed (Workflow.signed).
+    resources: Resources = Field(Resources(), exclude_if=lambda value: value == Resources())
 
     @field_validator("phases")
     @classmethod
@@ -255,6 +272,11 @@ class Workflow(_Strict):
             total += phase.steps
         return offsets
 
+    def phase_devices(self, index: int) -> int:
+        """The torch.distributed ranks phase `index` runs on, as the workflow asks."""
+        own = self.phases[index].resources
+        return (own or self.resources).devices
+
     def eval_sequence_length(self, spec: EvalSpec) -> int:
         """The sequence_length an eval task is computed at, the same at every step."""
         if spec.sequence_length is not None:
@@ -271,6 +293,24 @@ class Workflow(_Strict):
             if spec["name"] == spec["task"]:
                 del spec["name"]
         return out
+
+    def signed(self) -> dict[str, Any]:
+        """The normalised form the run's signature covers: without `resources`, which say
+        where the run trains (how many devices), not what it trains."""
+        return without_resources(self.normalized())
+
+
+def without_resources(normalized: dict[str, Any]) -> dict[str, Any]:
+    """A normalised workflow without its and its phases' `resources`; the form given is not
+    modified."""
+    out = {k: v for k, v in normalized.items() if k != "resources"}
+    phases = out.get("phases")
+    if isinstance(phases, list):
+        out["phases"] = [
+            {k: v for k, v in p.items() if k != "resources"} if isinstance(p, dict) else p
+            for p in phases
+        ]
+    return out
 
 
 def defaults_written_out(normalized: dict[str, Any]) -> dict[str, Any]:
@@ -404,6 +444,30 @@ def _geometry_problems(
     return problems
 
 
+def _devices_problems(i: int, raw: dict[str, Any], default: Any) -> list[Problem]:
+    """A phase's grad_accum counts the microbatches of a step over all its ranks: each rank
+    takes the same share, so it must divide by the phase's devices."""
+    own = raw.get("resources")
+    where = own if isinstance(own, dict) else default if isinstance(default, dict) else {}
+    devices, accum = where.get("devices", 1), raw.get("grad_accum", 1)
+    valid = isinstance(devices, int) and 1 <= devices <= MAX_DEVICES
+    if not (valid and isinstance(accum, int) and accum >= 1):
+        return []  # reported by the schema
+    message = devices_refusal(accum, devices)
+    return [Problem(path=f"phases[{i}].grad_accum", message=message)] if message else []
+
+
+def devices_refusal(grad_accum: int, devices: int) -> str | None:
+    """Why a phase of `grad_accum` microbatches a step cannot run on `devices` ranks, or None."""
+    if grad_accum % devices == 0:
+        return None
+    return (
+        f"{grad_accum} microbatches a step do not divide over {devices} devices: grad_accum "
+        f"counts a step's microbatches over all ranks, so make it a multiple of {devices} "
+        "(the global batch stays the same whatever the device count)"
+    )
+
+
 def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
     """Cross-field checks. They run on whatever parts of the document parse, so that they are
     reported together with the structural errors."""
@@ -457,6 +521,7 @@ def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
                     ),
                 )
             )
+        problems += _devices_problems(i, raw, doc.get("resources"))
         if i == 0 and raw.get("optimizer_state") == "carry":
             add(
                 Problem(

@@ -184,3 +184,24 @@ def test_a_replay_role_is_signed_and_the_default_role_is_not() -> None:
     [diff] = diff_components(base.components, replay.components)
     assert (diff.field, diff.stored, diff.given) == ("phases[0].role", "train", "replay")
     assert Workflow.model_validate(replay.components["workflow"]).phases[0].role == "replay"
+
+
+def test_resources_are_never_signed_and_stay_in_the_stored_form() -> None:
+    base = compute_signature(workflow=workflow(), digests=DIGESTS)
+    on_two = Workflow.model_validate(
+        {**DOC, "resources": {"devices": 2}, "phases": [DOC["phases"][0], DOC["phases"][1]]}
+    )
+    phase_on_four = workflow(resources={"devices": 4}, grad_accum=4)
+    assert compute_signature(workflow=on_two, digests=DIGESTS).sha256 == base.sha256 == FROZEN
+    # grad_accum is signed (it is the global batch); the device count it divides over is not.
+    four = compute_signature(workflow=phase_on_four, digests=DIGESTS)
+    assert [d.field for d in diff_components(base.components, four.components)] == [
+        "phases[1].grad_accum"
+    ]
+    assert "resources" not in four.components["workflow"]["phases"][1]
+    # Where the run trains is kept where the workflow is stored.
+    assert on_two.normalized()["resources"] == {"devices": 2}
+    assert phase_on_four.normalized()["phases"][1]["resources"] == {"devices": 4}
+    assert "resources" not in workflow().normalized()
+    assert [on_two.phase_devices(i) for i in (0, 1)] == [2, 2]
+    assert [phase_on_four.phase_devices(i) for i in (0, 1)] == [1, 4]

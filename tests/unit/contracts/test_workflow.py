@@ -530,3 +530,28 @@ def test_a_plan_stored_before_replay_phases_reads_with_its_totals_recomputed(
     for phase in stored["phases"]:
         del phase["role"]
     assert Plan.model_validate(stored) == current
+
+
+def test_grad_accum_must_divide_over_the_phase_s_devices(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path, resources={"devices": 2})
+    # phases[0] has grad_accum 1 (the default) over the workflow's 2 devices; phases[1] has 2.
+    problems = problems_of(doc)
+    assert set(problems) == {"phases[0].grad_accum"}
+    assert "1 microbatches a step do not divide over 2 devices" in problems["phases[0].grad_accum"]
+    doc["phases"][0]["resources"] = {"devices": 1}
+    doc["phases"][1]["resources"] = {"devices": 4}
+    assert set(problems_of(doc)) == {"phases[1].grad_accum"}
+    doc["phases"][1]["grad_accum"] = 4
+    validate_workflow_with_files(doc)
+    doc["phases"][1]["resources"] = {"devices": 65}
+    assert set(problems_of(doc)) == {"phases[1].resources.devices"}
+
+
+def test_resource_queues_route_a_phase_only_to_workers_big_enough() -> None:
+    from contracts.dispatch import devices_queue, served_queues
+
+    assert devices_queue("trainctl", 1) == "trainctl"
+    assert devices_queue("trainctl", 4) == "trainctl.devices-4"
+    assert served_queues("trainctl", 1) == ["trainctl"]
+    assert served_queues("gpu", 3) == ["gpu", "gpu.devices-2", "gpu.devices-3"]
+    assert devices_queue("gpu", 4) not in served_queues("gpu", 3)
