@@ -3,7 +3,10 @@
 An attempt's or a job's Celery message is first an outbox row, written in the transaction that
 creates the attempt or job. After the commit, `dispatch_pending` sends unsent rows by task name
 and marks them sent; a background thread repeats that every `outbox_interval_seconds`, so a
-message whose send failed (broker down, process died) goes out later. A row may be sent twice
+message whose send failed (broker down, process died) goes out later. An attempt's message goes
+to the queue of its device count (contracts.dispatch.devices_queue: the base queue for one
+device, `<queue>.devices-N` for more), which only workers that own N devices or more consume;
+jobs go to the base queue, which every worker consumes. A row may be sent twice
 (a crash between the send and the mark): workers tolerate that, because a claim has exactly one
 winner and a job's first result is the one kept.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
@@ -24,9 +28,10 @@ from contracts.dispatch import (
     INSPECT_DATASET_TASK,
     PREPARE_DATASET_TASK,
     RUN_PHASE_TASK,
+    devices_queue,
 )
 from runtime.broker import broker_options
-from service.models import Job, OutboxMessage, utcnow
+from service.models import Attempt, Job, OutboxMessage, utcnow
 from service.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ def make_celery(broker_url: str) -> Celery:
 
 def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, queue: str) -> int:
     """Send every unsent outbox row (oldest first) and mark it sent; returns how many went out.
+    An attempt's message goes to its device count's queue (`queue_of`), a job's to `queue`.
     Stops at the first broker error, which is logged: the rows stay for the next pass."""
     sent = 0
     with session_factory() as session:
@@ -76,10 +82,12 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                 .limit(_BATCH)
                 .with_for_update(skip_locked=True)
             ).all()
+            queues = queue_of(session, rows, queue)
             for row in rows:
                 task, args = message_of(session, row)
+                target = queues.get(row.id, queue)
                 try:
-                    celery.send_task(task, args=args, queue=queue)
+                    celery.send_task(task, args=args, queue=target)
                 # Any failure to send (kombu's errors, or a transport's own such as redis-py's
                 # ConnectionError, which is no OSError) leaves the row for the next pass.
                 except Exception as err:
@@ -88,7 +96,7 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                         "and is retried",
                         "attempt" if row.attempt_id is not None else "job",
                         args[0],
-                        queue,
+                        target,
                         err,
                     )
                     session.commit()
@@ -98,6 +106,21 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
             session.commit()
             if len(rows) < _BATCH:
                 return sent
+
+
+def queue_of(session: Session, rows: Sequence[OutboxMessage], queue: str) -> dict[int, str]:
+    """{outbox row id: the queue its attempt's message goes to}, for the rows that name an
+    attempt: `devices_queue(queue, attempt.devices)`. One query for all the rows."""
+    attempt_ids = {row.attempt_id for row in rows if row.attempt_id is not None}
+    if not attempt_ids:
+        return {}
+    found = session.execute(select(Attempt.id, Attempt.devices).where(Attempt.id.in_(attempt_ids)))
+    devices = {attempt_id: count for attempt_id, count in found}
+    return {
+        row.id: devices_queue(queue, devices.get(row.attempt_id, 1))
+        for row in rows
+        if row.attempt_id is not None
+    }
 
 
 def message_of(session: Session, row: OutboxMessage) -> tuple[str, list[Any]]:

@@ -357,6 +357,7 @@ def _claim_answer(
         resume_from=None if resume is None else checkpoint_ref(resume),
         artifact_dir=str(artifact_root / "runs" / run.id),
         encoder_version=run.signature_components.get("encoder_version"),
+        devices=attempt.devices,
     )
 
 

@@ -33,8 +33,9 @@ from types import EllipsisType
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from contracts.workflow import Workflow as WorkflowSpec
 from service.db import rowcount
-from service.models import Attempt, OutboxMessage, Run, new_attempt_id, utcnow
+from service.models import Attempt, OutboxMessage, Run, Workflow, new_attempt_id, utcnow
 
 
 class RunStatus(StrEnum):
@@ -233,15 +234,27 @@ def phase_start(run: Run, phase_index: int) -> int:
     return int(run.plan["phases"][phase_index]["first_step"]) - 1
 
 
+def attempt_devices(session: Session, run: Run, phase_index: int) -> int:
+    """The torch.distributed ranks a new attempt of phase `phase_index` runs on: the count the
+    run was last resumed with, else what its stored workflow asks for the phase."""
+    if run.devices is not None:
+        return run.devices
+    workflow = session.get(Workflow, run.workflow_id)
+    assert workflow is not None, f"run {run.id} names no stored workflow"
+    return WorkflowSpec.model_validate(workflow.spec).phase_devices(phase_index)
+
+
 def add_attempt(*, session: Session, run: Run, phase_index: int) -> Attempt:
-    """A queued attempt (next number) plus its outbox row. Does not commit: the caller's
-    transaction makes both visible together, and the dispatcher sends after the commit."""
+    """A queued attempt (next number, on `attempt_devices`) plus its outbox row. Does not
+    commit: the caller's transaction makes both visible together, and the dispatcher sends
+    after the commit."""
     last = session.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run.id))
     attempt = Attempt(
         id=new_attempt_id(),
         run_id=run.id,
         number=(last or 0) + 1,
         phase_index=phase_index,
+        devices=attempt_devices(session, run, phase_index),
         status=AttemptStatus.QUEUED.value,
     )
     session.add(attempt)

@@ -1,5 +1,6 @@
-"""The outbox carries attempts and jobs: each row is sent as its task, oldest first, and stays
-for the next pass when the broker refuses it."""
+"""The outbox carries attempts and jobs: each row is sent as its task, oldest first, to the
+queue of its attempt's device count (jobs to the base queue), and stays for the next pass when
+the broker refuses it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -37,13 +38,14 @@ def sessions(tmp_path: Path) -> sessionmaker[Session]:
     return make_session_factory(url)
 
 
-def add_attempt(session: Session) -> str:
+def add_attempt(session: Session, *, run_id: str = "run_1", devices: int | None = None) -> str:
     # No relationships between the models: flush each parent before its child.
-    session.add(Workflow(id="w" * 64, name="w", spec={}))
-    session.flush()
+    if session.get(Workflow, "w" * 64) is None:
+        session.add(Workflow(id="w" * 64, name="w", spec={}))
+        session.flush()
     session.add(
         Run(
-            id="run_1",
+            id=run_id,
             workflow_id="w" * 64,
             name="r",
             signature="s" * 64,
@@ -55,10 +57,13 @@ def add_attempt(session: Session) -> str:
         )
     )
     session.flush()
-    session.add(Attempt(id="att_1", run_id="run_1", number=1, phase_index=0))
+    attempt_id = run_id.replace("run_", "att_")
+    # devices None: as a row written before device counts (the column's default, one).
+    counted = {} if devices is None else {"devices": devices}
+    session.add(Attempt(id=attempt_id, run_id=run_id, number=1, phase_index=0, **counted))
     session.flush()
-    session.add(OutboxMessage(attempt_id="att_1"))
-    return "att_1"
+    session.add(OutboxMessage(attempt_id=attempt_id))
+    return attempt_id
 
 
 def add_job(session: Session, job_id: str, kind: str) -> dict[str, Any]:
@@ -117,3 +122,35 @@ def test_an_outbox_row_names_exactly_one_attempt_or_job(
         session.add(OutboxMessage(**targets))
         with pytest.raises(IntegrityError, match="one_target"):
             session.commit()
+
+
+def test_an_attempt_goes_to_the_queue_of_its_device_count_and_a_job_to_the_base_queue(
+    sessions: sessionmaker[Session],
+) -> None:
+    with sessions() as session:
+        single = add_attempt(session, run_id="run_1")
+        four = add_attempt(session, run_id="run_2", devices=4)
+        inspection = add_job(session, "job_1", "inspection")
+        two = add_attempt(session, run_id="run_3", devices=2)
+        session.commit()
+    statements: list[str] = []
+    engine = sessions.kw["bind"]
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        broker = Broker()
+        assert send(sessions, broker) == 4
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+    assert broker.sent == [
+        (RUN_PHASE_TASK, [single], "q"),
+        (RUN_PHASE_TASK, [four], "q.devices-4"),
+        (INSPECT_DATASET_TASK, ["job_1", inspection], "q"),
+        (RUN_PHASE_TASK, [two], "q.devices-2"),
+    ]
+    # The attempts' counts in one query for the pass, not one per row.
+    attempt_reads = [s for s in statements if s.lstrip().startswith("SELECT") and "attempts" in s]
+    assert len(attempt_reads) == 1, attempt_reads
