@@ -5,6 +5,7 @@ attempt is also the time after which it stops counting the worker as there."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -31,15 +32,20 @@ def note_worker(
     queue: str | None = None,
     token_id: str | None = None,
     attempt_id: str | None = None,
+    devices: int | None = None,
+    device_kind: str | None = None,
 ) -> None:
     """Record that the worker (hostname, pid) was heard from at `now`: inserted the first time,
-    else updated; a field not given keeps what was stored. The caller commits. One statement
+    else updated; a field not given keeps what was stored (a claim says nothing of the
+    worker's version, queue or devices; its ping does). The caller commits. One statement
     (INSERT ... ON CONFLICT), so concurrent notes of one worker never collide."""
     given = {
         "version": version,
         "queue": queue,
         "token_id": token_id,
         "attempt_id": attempt_id,
+        "devices": devices,
+        "device_kind": device_kind,
     }
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     insert = insert_for(session, Worker).values(
@@ -80,13 +86,29 @@ def _serves(queue: str) -> Any:
     return or_(Worker.queue.is_(None), Worker.queue == queue)
 
 
-def live_worker_seen(*, session: Session, now: datetime, lease_seconds: float, queue: str) -> bool:
-    """Whether a worker of `queue` was heard from within the last lease period."""
+@dataclass(frozen=True)
+class LiveCapacity:
+    """The most devices a live worker of a queue owns, and their kind (None: not said)."""
+
+    devices: int
+    device_kind: str | None
+
+
+def largest_live_worker(
+    *, session: Session, now: datetime, lease_seconds: float, queue: str
+) -> LiveCapacity | None:
+    """The most devices one worker of `queue` heard from within the last lease period owns
+    (a worker heard from only by its claims counts as one device), with their kind; None when
+    no worker of the queue is live. One query."""
     since = now - timedelta(seconds=lease_seconds)
-    found = session.scalar(
-        select(Worker.id).where(Worker.last_seen_at >= since, _serves(queue)).limit(1)
-    )
-    return found is not None
+    owned = func.coalesce(Worker.devices, 1)
+    found = session.execute(
+        select(owned, Worker.device_kind)
+        .where(Worker.last_seen_at >= since, _serves(queue))
+        .order_by(owned.desc(), Worker.last_seen_at.desc(), Worker.id.desc())
+        .limit(1)
+    ).first()
+    return None if found is None else LiveCapacity(devices=int(found[0]), device_kind=found[1])
 
 
 def list_workers(
@@ -117,6 +139,8 @@ def list_workers(
             last_seen_at=worker.last_seen_at,
             attempt_id=worker.attempt_id if run_id is not None else None,
             run_id=run_id,
+            devices=worker.devices,
+            device_kind=worker.device_kind,
         )
         for worker, run_id in rows
     ]

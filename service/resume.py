@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from contracts.paths import DataRoots
 from contracts.signature import FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
+from contracts.workflow import devices_refusal
 from service.digest import resolve_digests
 from service.errors import ApiError
 from service.lease import digests_of, expire_attempt, is_active
@@ -102,6 +103,37 @@ def resign(
     return sign_run(workflow=spec, digests=digests, initial=initial)
 
 
+def check_devices(*, run: Run, spec: WorkflowSpec, devices: int | None) -> None:
+    """422 `invalid_devices` when the run's current phase or a later one cannot run on
+    `devices` ranks (its grad_accum is no multiple of it), naming each as
+    `phases[i].grad_accum` with why (contracts.workflow.devices_refusal). Nothing when
+    `devices` is None (the run keeps its count)."""
+    if devices is None:
+        return
+    problems = [
+        {
+            "path": f"phases[{i}].grad_accum",
+            "message": why,
+            "grad_accum": phase.grad_accum,
+            "devices": devices,
+        }
+        for i, phase in enumerate(spec.phases)
+        if i >= run.phase_index and (why := devices_refusal(phase.grad_accum, devices))
+    ]
+    if not problems:
+        return
+    named = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
+    if len(problems) > 3:
+        named += f" (and {len(problems) - 3} more)"
+    raise ApiError(
+        422,
+        "invalid_devices",
+        f"devices: run {run.id} cannot go on on {devices} devices: {named}; resume it on a "
+        "device count that divides the grad_accum of every phase still to run",
+        problems,
+    )
+
+
 def _run_active(run: Run, attempt: Attempt) -> ApiError:
     if attempt.status == AttemptStatus.QUEUED:
         why = "is queued, waiting for a worker"
@@ -144,11 +176,18 @@ def resume_run(
     otherwise (failed, paused, cancelled, or lost) a running attempt whose lease expired is
     marked lost, and a new attempt continues the run's current phase. Commits. Returns (run,
     new attempt or None); the caller dispatches the new attempt's outbox row. Paths must
-    resolve inside `roots` (default: data_root alone)."""
+    resolve inside `roots` (default: data_root alone). `request.devices`, checked against
+    the grad_accum of the phases still to run (422 `invalid_devices`), becomes the run's
+    device count: the new attempt and every later one run on it. It is not signed, so a
+    different count is never a signature mismatch."""
     run = get_run(session=session, run_id=run_id)
     spec, initial = resume_inputs(
         session=session, run=run, request=request, data_root=data_root, roots=roots
     )
+    if run.status != RunStatus.SUCCEEDED:
+        # Before hashing, so that a refused count costs no reads; checked again under the
+        # locks, where the phase the run is in cannot move any more.
+        check_devices(run=run, spec=spec, devices=request.devices)
     # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
     # connection waits idle in transaction (nor a row stays locked) meanwhile.
     session.commit()
@@ -170,6 +209,10 @@ def resume_run(
     if run.status == RunStatus.SUCCEEDED:
         session.rollback()
         return run, None
+    try:
+        check_devices(run=run, spec=spec, devices=request.devices)
+    except ApiError as err:
+        _refuse(session, err)
     if current is not None:
         now = utcnow()
         # Read, not locked: with the run locked no attempt can be added, and locking it would
@@ -189,6 +232,8 @@ def resume_run(
         ):
             _refuse(session, _run_active(run, current))
 
+    if request.devices is not None:
+        run.devices = request.devices
     attempt = add_attempt(session=session, run=run, phase_index=run.phase_index)
     move_run(run, RunStatus.RECOVERING, message=None)
     run.pause_requested_at = None

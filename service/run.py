@@ -25,7 +25,7 @@ from runtime.path import resolve_path
 from service.checkpoint import USABLE, checkpoint_problem, list_checkpoints, usable_checkpoint
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
-from service.fleet import live_worker_seen
+from service.fleet import LiveCapacity, largest_live_worker
 from service.lifecycle import AttemptStatus, RunStatus, add_attempt, budget_use, recovery_seconds
 from service.models import Attempt, Checkpoint, Run, new_run_id, utcnow
 from service.schemas import (
@@ -358,8 +358,9 @@ def runs_public(
     *, session: Session, runs: list[Run], lease_seconds: float, queue: str
 ) -> list[RunPublic]:
     """Public views of runs, with attempts and latest checkpoints loaded in two queries (and
-    a third, when one waits in the queue, for whether a worker of `queue` was heard from
-    within `lease_seconds`)."""
+    a third, when one waits in the queue, for the largest worker of `queue` heard from within
+    `lease_seconds`: a queued attempt waits for a worker while none is live or none owns the
+    devices it needs)."""
     ids = [run.id for run in runs]
     attempts: dict[str, list[Attempt]] = defaultdict(list)
     latest: dict[str, Checkpoint] = {}
@@ -383,17 +384,45 @@ def runs_public(
             latest[checkpoint.run_id] = checkpoint
     now = utcnow()
     queued = {
-        run.id
+        run.id: attempts[run.id][-1]
         for run in runs
         if attempts[run.id] and attempts[run.id][-1].status == AttemptStatus.QUEUED
     }
-    no_worker = bool(queued) and not live_worker_seen(
-        session=session, now=now, lease_seconds=lease_seconds, queue=queue
+    capacity = (
+        largest_live_worker(session=session, now=now, lease_seconds=lease_seconds, queue=queue)
+        if queued
+        else None
     )
+    waiting = {
+        run_id: reason
+        for run_id, attempt in queued.items()
+        if (reason := waiting_reason(attempt, capacity, queue=queue)) is not None
+    }
     return [
-        _run_public(run, attempts[run.id], latest.get(run.id), now, no_worker and run.id in queued)
+        _run_public(run, attempts[run.id], latest.get(run.id), now, waiting.get(run.id))
         for run in runs
     ]
+
+
+def _devices(count: int) -> str:
+    return f"{count} device{'s' if count != 1 else ''}"
+
+
+def waiting_reason(attempt: Attempt, capacity: LiveCapacity | None, *, queue: str) -> str | None:
+    """Why no live worker can take a queued attempt, in a sentence; None when one can.
+    `capacity`: the largest live worker of `queue` (service.fleet.largest_live_worker)."""
+    if capacity is None:
+        return (
+            f"no live worker has been seen: none of queue {queue!r} was heard from within the "
+            "lease period"
+        )
+    if capacity.devices >= attempt.devices:
+        return None
+    kind = f" ({capacity.device_kind})" if capacity.device_kind else ""
+    return (
+        f"attempt {attempt.number} needs {_devices(attempt.devices)}; the most a live worker "
+        f"has is {capacity.devices}{kind}"
+    )
 
 
 def run_public(*, session: Session, run: Run, lease_seconds: float, queue: str) -> RunPublic:
@@ -412,7 +441,7 @@ def _run_public(
     attempts: list[Attempt],
     latest: Checkpoint | None,
     now: datetime,
-    waiting_for_worker: bool,
+    waiting: str | None,
 ) -> RunPublic:
     run_plan = Plan.model_validate(run.plan)
     phase = (
@@ -443,7 +472,9 @@ def _run_public(
         max_preemptions=run.max_preemptions,
         recovery_seconds=recovery_seconds(attempts, now),
         pause_requested_at=run.pause_requested_at,
-        waiting_for_worker=waiting_for_worker,
+        devices=run.devices,
+        waiting_for_worker=waiting is not None,
+        waiting_reason=waiting,
         preparing=_preparing(attempts),
         created_at=run.created_at,
         updated_at=run.updated_at,

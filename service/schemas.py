@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 
 from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
 from contracts.reports import Preparing
-from contracts.workflow import Plan
+from contracts.workflow import MAX_DEVICES, Plan
 from service.lifecycle import RunStatus
 
 MAX_RUNS_PAGE = 500
@@ -67,12 +67,16 @@ class RunCreate(BaseModel):
 
 class RunResume(BaseModel):
     """What a resume must reproduce the stored signature with; an omitted field means "as
-    stored" (the stored workflow; the stored initial checkpoint's digest, not re-hashed)."""
+    stored" (the stored workflow; the stored initial checkpoint's digest, not re-hashed).
+    `devices` is not signed: the ranks the new attempt and every later one run on (each of
+    the remaining phases' grad_accum must be a multiple of it); omitted, the count the run
+    was last resumed with, else the workflow's."""
 
     model_config = ConfigDict(extra="forbid")
 
     workflow: dict[str, Any] | None = None
     initial_checkpoint: InitialCheckpointIn | None = None
+    devices: int | None = Field(None, ge=1, le=MAX_DEVICES)
 
 
 class CheckpointSummary(BaseModel):
@@ -105,6 +109,8 @@ class AttemptPublic(BaseModel):
     id: str
     number: int
     phase_index: int
+    # The torch.distributed ranks it runs on (fixed when it was queued).
+    devices: int = 1
     status: str
     worker_hostname: str | None
     worker_pid: int | None
@@ -148,9 +154,15 @@ class RunPublic(BaseModel):
     recovery_seconds: float
     # Set while a pause waits for the running worker to checkpoint and stop.
     pause_requested_at: datetime | None
-    # The newest attempt is queued and no worker of the service's queue was heard from within
-    # the lease period: nothing will take it until a worker starts (GET /workers).
+    # The count the run was last resumed with (POST /runs/{id}/resume `devices`), which every
+    # later attempt runs on; None: as the workflow asks for each phase.
+    devices: int | None = None
+    # The newest attempt is queued and no live worker (heard from within the lease period) of
+    # the service's queue can take it: none is live, or none owns as many devices as the
+    # attempt needs. Nothing will take it until such a worker starts (GET /workers).
     waiting_for_worker: bool
+    # Why, in a sentence, while waiting_for_worker; None otherwise.
+    waiting_reason: str | None = None
     # The running attempt is tokenizing a data file into its token store before its first
     # step (the file, and the share of it read), as its last heartbeat said.
     preparing: Preparing | None = None
@@ -195,6 +207,10 @@ class WorkerPublic(BaseModel):
     # The attempt it is running, and its run; None when it runs none.
     attempt_id: str | None
     run_id: str | None
+    # What its ping says it can run a phase on: `devices` of `device_kind` ("cpu", "cuda").
+    # None for a worker heard from only by its claims (counted as one device).
+    devices: int | None = None
+    device_kind: str | None = None
 
 
 class WorkersPublic(BaseModel):

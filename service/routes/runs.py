@@ -140,8 +140,11 @@ def resume(
     """Continue the run under its id with a new attempt, from its latest checkpoint. What the
     body gives (all optional: omitted means as stored) must reproduce the stored signature,
     else 409 `signature_mismatch` naming each differing field. A succeeded run answers as a
-    no-op; an active one (queued, or running with a live lease), 409 `run_active`."""
-    audit.expect(session, "run.resume", run.id)
+    no-op; an active one (queued, or running with a live lease), 409 `run_active`. `devices`
+    (unsigned) sets the ranks the run goes on on, from this attempt on; 422 `invalid_devices`
+    names each remaining phase whose grad_accum it does not divide (`phases[i].grad_accum`)."""
+    devices = body.devices if body is not None else None
+    audit.expect(session, "run.resume", run.id, None if devices is None else {"devices": devices})
     access.check_checkpoint_source(session, token, body and body.initial_checkpoint)
     resumed, attempt = resume_run(
         session=session,

@@ -26,7 +26,8 @@ def read_workers(
     limit: Annotated[int, Query(ge=1, le=MAX_WORKERS_PAGE)] = 100,
 ) -> WorkersPublic:
     """Workers heard from most recently first, each `live` when heard from within the lease
-    period, with the attempt it is running. `count` and `live` are over all pages."""
+    period, with the attempt it is running and the devices its ping says it owns. `count` and
+    `live` are over all pages."""
     return list_workers(
         session=session, now=utcnow(), lease_seconds=settings.lease_seconds, limit=limit
     )
@@ -42,6 +43,8 @@ def ping(body: WorkerPing, session: SessionDep, token: WorkerDep) -> Accepted:
         version=body.version,
         queue=body.queue,
         token_id=token.id,
+        devices=body.devices,
+        device_kind=body.device_kind,
     )
     session.commit()
     return Accepted(accepted=1)

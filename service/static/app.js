@@ -240,7 +240,9 @@ function renderRuns({ runs, count }) {
           "td",
           {},
           statusBadge(run.status),
-          run.waiting_for_worker ? el("div", { class: "waiting" }, "waiting for a worker") : null,
+          run.waiting_for_worker
+            ? el("div", { class: "waiting", title: run.waiting_reason }, "waiting for a worker")
+            : null,
           run.preparing ? el("div", { class: "muted preparing" }, preparingText(run.preparing)) : null,
         ),
         el("td", {}, phaseLabel(run)),
@@ -581,6 +583,8 @@ function renderRun(current) {
   message.textContent = text;
   message.hidden = !text;
   $("#run-waiting").hidden = !run.waiting_for_worker;
+  $("#run-waiting-reason").textContent =
+    run.waiting_reason || "none was heard from within the lease period";
   const preparing = $("#run-preparing");
   preparing.textContent = run.preparing ? preparingText(run.preparing) : "";
   preparing.hidden = !run.preparing;
