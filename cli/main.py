@@ -37,6 +37,20 @@ WAITING_FOR_WORKER = (
     "(`trainctl worker`) and check `trainctl workers`"
 )
 
+
+def waiting_text(run: dict[str, Any]) -> str:
+    """Why a run waits for a worker, as the service says (`waiting_reason`), and what to do."""
+    from cli.watch import waiting_reason
+
+    reason = waiting_reason(run)
+    if reason is None:
+        return WAITING_FOR_WORKER
+    return (
+        f"waiting for a worker: {reason}; start one that can take it (`trainctl worker`) and "
+        "check `trainctl workers`"
+    )
+
+
 # The most runs one `GET /runs` answers (service.schemas.MAX_RUNS_PAGE; the CLI imports no side).
 RUNS_PAGE = 500
 
@@ -371,6 +385,16 @@ def runs_resume(
             "moved; its content must not change); omitted: the stored digest."
         ),
     ] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Devices (torch.distributed ranks) to go on on, from this attempt to the end "
+            "of the run; each remaining phase's grad_accum must be a multiple of it. Not part "
+            "of the signature. Omitted: the run's current count.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Continue a stopped run under its id from its latest checkpoint. What is given must
@@ -380,6 +404,8 @@ def runs_resume(
         body["workflow"] = load_workflow(workflow)
     if initial_checkpoint:
         body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+    if devices is not None:
+        body["devices"] = devices
     run = call("POST", f"/runs/{run_id}/resume", json=body)
     if as_json:
         print(json.dumps(run, indent=2))
@@ -390,9 +416,10 @@ def runs_resume(
     attempt = max(run["attempts"], key=lambda a: a["number"])
     ckpt = run.get("latest_checkpoint")
     start = f"the checkpoint at step {ckpt['step']}" if ckpt else "the start"
+    on = attempt.get("devices", 1)
     console.print(
         f"resumed run [bold]{run['id']}[/bold]: attempt {attempt['number']} continues phase "
-        f"{run.get('phase')} from {start}"
+        f"{run.get('phase')} from {start} on {on} device{'s' if on != 1 else ''}"
     )
 
 
@@ -460,7 +487,7 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
     cause = f" ({run['cause']}: {run.get('message')})" if run.get("cause") else ""
     console.print(f"[bold]{run['id']}[/bold] {run['status']}{cause}")
     if run.get("waiting_for_worker"):
-        console.print(f"[yellow]{WAITING_FOR_WORKER}[/yellow]")
+        console.print(waiting_text(run), style="yellow", markup=False)
     if run.get("preparing"):
         from cli.watch import preparing_text
 
@@ -471,7 +498,8 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
     for a in run.get("attempts", []):
         console.print(
             f"  attempt {a['number']} phase {a['phase_index']} {a['status']} "
-            f"on {a.get('worker_hostname') or '-'} pid {a.get('worker_pid') or '-'}"
+            f"on {a.get('worker_hostname') or '-'} pid {a.get('worker_pid') or '-'} "
+            f"({a.get('devices', 1)} dev)"
         )
 
 
@@ -543,7 +571,8 @@ def workers_list(as_json: JsonOpt = False) -> None:
         return
     now = datetime.now(UTC)
     table = Table()
-    for column in ("hostname", "pid", "version", "queue", "live", "last seen", "running"):
+    columns = ("hostname", "pid", "version", "queue", "devices", "live", "last seen", "running")
+    for column in columns:
         table.add_column(column)
     for w in answer["workers"]:
         seen = (now - datetime.fromisoformat(w["last_seen_at"])).total_seconds()
@@ -553,12 +582,23 @@ def workers_list(as_json: JsonOpt = False) -> None:
             str(w["pid"]),
             w["version"],
             w.get("queue") or "-",
+            devices_text(w),
             "yes" if w["live"] else "no",
             f"{max(seen, 0):.0f} s ago",
             running,
         )
     console.print(table)
     console.print(f"{answer['live']} live of {answer['count']} worker(s) heard from")
+
+
+def devices_text(worker: dict[str, Any]) -> str:
+    """`2 cuda`: what a worker's ping says it owns; `-` before its first ping (the service
+    counts it as one device)."""
+    devices = worker.get("devices")
+    if devices is None:
+        return "-"
+    kind = worker.get("device_kind")
+    return f"{devices} {kind}" if kind else str(devices)
 
 
 def main() -> None:  # pragma: no cover - the console script entry point

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     Progress,
@@ -41,6 +42,7 @@ def snapshot(api: ApiClient, run_id: str) -> dict[str, Any]:
         "restarts": run.get("restarts", 0),
         "preemptions": run.get("preemptions", 0),
         "waiting_for_worker": run.get("waiting_for_worker", False),
+        "waiting_reason": waiting_reason(run),
         "preparing": run.get("preparing"),
         "cause": run.get("cause"),
         "message": run.get("message"),
@@ -132,9 +134,24 @@ def _fields(state: dict[str, Any]) -> dict[str, str]:
         "speed": f"{speed:,.0f} tok/s" if speed is not None else "- tok/s",
         "restarts": f"{recoveries} restarts" if recoveries else "",
         "status": state["status"]
-        + (" (waiting for a worker)" if state["waiting_for_worker"] else "")
+        + (_waiting(state) if state["waiting_for_worker"] else "")
         + (f" ({preparing_text(state['preparing'])})" if state.get("preparing") else ""),
     }
+
+
+def waiting_reason(run: dict[str, Any]) -> str | None:
+    """Why the run waits for a worker, as the service says (None while it does not, or from a
+    service that does not say)."""
+    if not run.get("waiting_for_worker"):
+        return None
+    reason = run.get("waiting_reason")
+    return reason if isinstance(reason, str) and reason else None
+
+
+def _waiting(state: dict[str, Any]) -> str:
+    # The progress bar's columns read rich markup: a queue's name is shown as it is.
+    reason = state.get("waiting_reason")
+    return f" (waiting for a worker: {escape(reason)})" if reason else " (waiting for a worker)"
 
 
 def preparing_text(preparing: dict[str, Any]) -> str:
