@@ -16,9 +16,11 @@ import httpx
 from celery import Celery
 from celery.signals import setup_logging, worker_ready, worker_shutdown
 
+from contracts.dispatch import served_queues
 from contracts.reports import WorkerPing
 from runtime.broker import broker_options
 from runtime.logs import configure_logging
+from worker.distributed import owned_devices
 from worker.settings import WorkerSettings, get_settings
 
 log = logging.getLogger(__name__)
@@ -85,14 +87,18 @@ def worker_version() -> str:
 def ping_service(settings: WorkerSettings, stopped: threading.Event) -> None:
     """POST /internal/workers/ping now and every `heartbeat_seconds` until `stopped`, so the
     service lists this worker (GET /workers) and knows a queued run has someone to take it,
-    even while no attempt runs here. A failed ping is logged when pinging starts failing and
-    when it works again, and is otherwise harmless: the next one says the same."""
+    even while no attempt runs here, and how many devices of which kind it owns. A failed
+    ping is logged when pinging starts failing and when it works again, and is otherwise
+    harmless: the next one says the same."""
+    kind, ids = owned_devices(settings)
     ping = WorkerPing(
         hostname=socket.gethostname(),
         # The claiming process: the solo pool trains in this one (start_worker).
         pid=os.getpid(),
         version=worker_version(),
         queue=settings.queue,
+        devices=len(ids),
+        device_kind=kind,
     )
     headers = {"Authorization": f"Bearer {settings.worker_token}"}
     failing = False
@@ -135,4 +141,6 @@ def start_worker(settings: WorkerSettings, extra_args: Sequence[str] = ()) -> No
         from worker.metrics import serve
 
         serve(settings.metrics_port)
-    app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", settings.queue, *extra_args])
+    # The queues of every rank count this worker's devices can run (contracts.dispatch).
+    queues = ",".join(served_queues(settings.queue, len(owned_devices(settings)[1])))
+    app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queues, *extra_args])

@@ -38,7 +38,7 @@ from worker.spool import Report, Spool, SpoolError, kind_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Action", "Reporter", "ServiceReporter", "drain_spools", "send_report"]
+__all__ = ["Action", "Reporter", "ServiceReporter", "SilentReporter", "drain_spools", "send_report"]
 
 
 class Reporter(Protocol):
@@ -71,6 +71,32 @@ class Reporter(Protocol):
     def preparing(self, file: str, fraction: float) -> None:
         """`file` is being tokenized into its store, `fraction` of it read (1.0: done); the
         run shows it until the first step."""
+
+
+class SilentReporter:
+    """The reporter of a rank other than 0 on a phase of many devices: rank 0 speaks for all
+    (worker.distributed), so everything here is dropped and no order ever comes."""
+
+    def metrics(self, step: int, values: Mapping[str, float]) -> None:
+        pass
+
+    def evals(self, results: Sequence[EvalResult]) -> None:
+        pass
+
+    def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
+        return None
+
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
+        return False
+
+    def check(self, step: int, *, now: bool = False) -> Action:
+        return "continue"
+
+    def progress(self) -> None:
+        pass
+
+    def preparing(self, file: str, fraction: float) -> None:
+        pass
 
 
 class ServiceReporter:

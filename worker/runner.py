@@ -12,6 +12,7 @@ import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from pydantic import ValidationError
@@ -23,9 +24,10 @@ from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.logs import log_context
 from worker import metrics
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.distributed import Ranks, launch_ranks, owned_devices
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.model import select_device
-from worker.reporter import ServiceReporter, drain_spools
+from worker.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.settings import WorkerSettings
 from worker.store import artifact_root, cached_sha256, store_root
 from worker.trainer import PhaseOutcome, train_phase
@@ -93,7 +95,27 @@ def _run_claimed(
 ) -> PhaseOutcome | None:
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
-    reporter = ServiceReporter(
+    # The lease is renewed from here to the finish, whatever the attempt is doing (on more
+    # than one device, rank 0's reporter takes it over once the ranks are up).
+    reporter = _reporter(claim, settings, client)
+    reporter.start()
+    try:
+        # One attempt per process at a time: every line the process logs meanwhile, from any
+        # thread, is about this attempt.
+        with log_context(process_wide=True, run_id=claim.run_id, attempt_id=claim.attempt_id):
+            if claim.devices > 1:
+                return _train_on_ranks(
+                    claim, reporter, settings=settings, client=client, stop_requested=stop_requested
+                )
+            return _train_and_finish(
+                claim, reporter, lambda: _train_here(claim, reporter, settings, stop_requested)
+            )
+    finally:
+        reporter.close()
+
+
+def _reporter(claim: Claim, settings: WorkerSettings, client: ServiceClient) -> ServiceReporter:
+    return ServiceReporter(
         client,
         claim,
         spool_dir=settings.spool_dir,
@@ -101,44 +123,149 @@ def _run_claimed(
         flush_seconds=settings.spool_flush_seconds,
         abandon_seconds=settings.abandon_seconds,
     )
-    # The lease is renewed from here to the finish, whatever the attempt is doing.
-    reporter.start()
-    try:
-        # One attempt per process at a time: every line the process logs meanwhile, from any
-        # thread, is about this attempt.
-        with log_context(process_wide=True, run_id=claim.run_id, attempt_id=claim.attempt_id):
-            return _train_and_finish(
-                claim, reporter, settings=settings, stop_requested=stop_requested
-            )
-    finally:
-        reporter.close()
 
 
-def _train_and_finish(
+def _verified_workflow(
+    claim: Claim, settings: WorkerSettings, progress: Callable[[], None]
+) -> Workflow:
+    workflow = _parse_workflow(claim)
+    verify_encoder(claim)
+    verify_inputs(claim, workflow, progress, roots=settings.paths(artifact_root(claim)))
+    return workflow
+
+
+def _train_here(
+    claim: Claim,
+    reporter: ServiceReporter,
+    settings: WorkerSettings,
+    stop_requested: Callable[[], bool],
+) -> PhaseOutcome:
+    workflow = _verified_workflow(claim, settings, reporter.progress)
+    device = select_device(settings.device)
+    log.info("training %s on %s", _where(claim), device)
+    return train_phase(
+        claim=claim,
+        workflow=workflow,
+        reporter=reporter,
+        device=device,
+        stop_requested=stop_requested,
+        restore_rng=not settings.test_skip_rng_restore,
+    )
+
+
+def _train_on_ranks(
     claim: Claim,
     reporter: ServiceReporter,
     *,
     settings: WorkerSettings,
+    client: ServiceClient,
     stop_requested: Callable[[], bool],
 ) -> PhaseOutcome | None:
-    where = f"attempt {claim.attempt_id} of run {claim.run_id}, phase {claim.phase_index}"
+    """The parent of a phase on `claim.devices` ranks: verify the inputs once, start the
+    ranks (worker.distributed) and hand them the lease; rank 0 reports and finishes the
+    attempt. A rank that fails ends the attempt here, as an infrastructure failure."""
+
+    verified = False
+
+    def verify() -> None:
+        nonlocal verified
+        _verified_workflow(claim, settings, reporter.progress)
+        kind, ids = owned_devices(settings)
+        if claim.devices > len(ids):
+            raise ConfigError(
+                f"the phase asks for {claim.devices} devices and this worker owns {len(ids)} "
+                f"({kind}; TRAINCTL_DEVICES): it should never have been sent here"
+            )
+        verified = True
+
+    _train_and_finish(claim, reporter, verify)  # reports a refusal; nothing else to report
+    if not verified:
+        return None
+    log.info("training %s on %d ranks", _where(claim), claim.devices)
+    outcome, failure = launch_ranks(
+        claim, settings=settings, stop_requested=stop_requested, handed_over=reporter.close
+    )
+    if failure is None:
+        return outcome if isinstance(outcome, PhaseOutcome) else None
+    # Rank 0 may have spooled reports before it was ended: they go first, as at a start.
+    drain_spools(client, settings.spool_dir)
+    again = _reporter(claim, settings, client)
+    try:
+        return _train_and_finish(claim, again, lambda: _raise(TrainingError(failure.message)))
+    finally:
+        again.close()
+
+
+def run_rank(
+    claim: Claim,
+    *,
+    settings: WorkerSettings,
+    ranks: Ranks,
+    device: torch.device,
+    stop_requested: Callable[[], bool],
+    reporting: Callable[[], None],
+) -> PhaseOutcome | None:
+    """One rank of a phase on many devices (worker.distributed.rank_main). Rank 0 takes the
+    lease over from the parent with a reporter of its own and finishes the attempt; the
+    others train silently and leave reporting, and any refusal, to it."""
+    if settings.torch_threads is not None:
+        torch.set_num_threads(settings.torch_threads)
+    workflow = _parse_workflow(claim)
+    if not ranks.main:
+        with log_context(process_wide=True, run_id=claim.run_id, attempt_id=claim.attempt_id):
+            try:
+                train_phase(
+                    claim=claim,
+                    workflow=workflow,
+                    reporter=SilentReporter(),
+                    device=device,
+                    ranks=ranks,
+                    restore_rng=not settings.test_skip_rng_restore,
+                )
+            except TrainingError as err:
+                log.info("rank %d: %s (rank 0 reports it)", ranks.rank, err)
+        return None
+    with ServiceClient.from_settings(settings) as client:
+        reporter = _reporter(claim, settings, client)
+        reporter.start()
+        reporting()
+        try:
+            with log_context(process_wide=True, run_id=claim.run_id, attempt_id=claim.attempt_id):
+                return _train_and_finish(
+                    claim,
+                    reporter,
+                    lambda: train_phase(
+                        claim=claim,
+                        workflow=workflow,
+                        reporter=reporter,
+                        device=device,
+                        stop_requested=stop_requested,
+                        ranks=ranks,
+                        restore_rng=not settings.test_skip_rng_restore,
+                    ),
+                )
+        finally:
+            reporter.close()
+
+
+def _raise(err: Exception) -> NoReturn:
+    raise err
+
+
+def _where(claim: Claim) -> str:
+    return f"attempt {claim.attempt_id} of run {claim.run_id}, phase {claim.phase_index}"
+
+
+def _train_and_finish(
+    claim: Claim, reporter: ServiceReporter, work: Callable[[], PhaseOutcome | None]
+) -> PhaseOutcome | None:
+    """Do `work` (verify and train), then report how it ended. Returns the outcome, or None
+    when the attempt was superseded, stopped or failed (the failure is reported with its
+    cause). `work` returning None reports nothing: it trained nothing yet."""
+    where = _where(claim)
     outcome: PhaseOutcome | None = None
     try:
-        workflow = _parse_workflow(claim)
-        verify_encoder(claim)
-        verify_inputs(
-            claim, workflow, reporter.progress, roots=settings.paths(artifact_root(claim))
-        )
-        device = select_device(settings.device)
-        log.info("training %s on %s", where, device)
-        outcome = train_phase(
-            claim=claim,
-            workflow=workflow,
-            reporter=reporter,
-            device=device,
-            stop_requested=stop_requested,
-            restore_rng=not settings.test_skip_rng_restore,
-        )
+        outcome = work()
     except Superseded:
         log.info("%s was superseded; stopping without writing", where)
         return None
@@ -151,6 +278,8 @@ def _train_and_finish(
         message = f"{type(err).__name__}: {err} at {origin(err)} ({where})"
         finish = _failed(claim, reporter, "infrastructure", message)
     else:
+        if outcome is None:
+            return None
         if outcome.status == "stopped":
             log.info("%s: the service said stop; nothing more is written", where)
             return outcome

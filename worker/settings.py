@@ -34,6 +34,14 @@ class WorkerSettings(BaseSettings):
     data_roots: Annotated[tuple[Path, ...], NoDecode] = ()
     data_root: Path | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The devices this worker owns, for phases of more than one rank (worker.distributed): a
+    # count ("2": on CPU, two gloo ranks) or CUDA indices ("0,1"; "3," for device 3 alone).
+    # Empty: every visible GPU, or one CPU rank. It consumes the queues of 1 to that many.
+    devices: str = Field(default="", pattern=r"^\s*(\d+|(\d+\s*,\s*)+\d*)?\s*$")
+    # How long a rank waits in one collective (a gradient all-reduce, the step's order) for
+    # the others before the attempt fails: longer than the slowest eval or checkpoint wait
+    # rank 0 makes the others sit through.
+    collective_timeout_seconds: float = Field(default=1800.0, gt=0)
     # None leaves torch's default (one thread per core).
     torch_threads: int | None = None
     # How often the lease keeper renews the attempt's lease (and the loop flushes buffered

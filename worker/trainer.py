@@ -29,12 +29,14 @@ from worker.checkpoint import (
     CheckpointState,
     CheckpointWriter,
     checkpoints_dir,
+    load_checkpoint,
     publish_checkpoint,
     remove_stale_temporaries,
     select_expired,
     select_resume_checkpoint,
 )
 from worker.data import PhaseData, batch_for_step, load_phase_data
+from worker.distributed import Order, Ranks
 from worker.error import ConfigError, NonFiniteLoss
 from worker.evaluate import EvalData, evaluate_task, load_eval_data
 from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
@@ -218,20 +220,26 @@ def train_phase(
     device: torch.device,
     stop_requested: Callable[[], bool] = _never,
     restore_rng: bool = True,
+    ranks: Ranks = Ranks(),
 ) -> PhaseOutcome:
     """Train phase `claim.phase_index` from where the claim says, reporting as it goes.
     `stop_requested` (a preemption notice) is polled once per step: when it turns true the
     phase checkpoints at once and returns "preempted"; a "pause" order from the service does
     the same and returns "paused". A "stop" order returns "stopped" at once, with nothing more
     written: a save in flight is never put in place. `restore_rng=False` (tests only: the
-    negative control of exact resume) leaves the random streams unrestored on resume."""
+    negative control of exact resume) leaves the random streams unrestored on resume.
+
+    On more than one rank (`ranks`, worker.distributed) every rank runs this loop over its share
+    of each step's microbatches; rank 0 alone evaluates, checkpoints and hears the service, and
+    each step ends with its order. The outcome of another rank means nothing."""
     transformers_logging.disable_progress_bar()  # the worker logs; bars are for terminals
     phase_index = claim.phase_index
     phase = workflow.phases[phase_index]
     offsets = workflow.phase_offsets()
     offset, last = offsets[phase_index], offsets[phase_index] + phase.steps
     directory = checkpoints_dir(claim.artifact_dir)
-    remove_stale_temporaries(directory)
+    if ranks.main:
+        remove_stale_temporaries(directory)
 
     # Preparation reports nothing for minutes (reading and encoding data, verifying a
     # checkpoint): the lease keeper holds the lease meanwhile, and each file read, batch of
@@ -266,17 +274,24 @@ def train_phase(
     rng = PrivateRandom(phase_seed(workflow.seed, phase_index), device)
     # Each quarantine is reported as it happens, before a failure to find any usable
     # checkpoint propagates: the service must never hand it out again.
-    resumed = select_resume_checkpoint(
-        claim,
-        offsets,
-        on_quarantine=lambda q: reporter.checkpoint_removed(q.step, "quarantined", q.reason),
-        progress=reporter.progress,
-    )
+    # Rank 0 chooses (and quarantines what fails verification); every rank loads its choice.
+    resumed = None
+    if ranks.main:
+        resumed = select_resume_checkpoint(
+            claim,
+            offsets,
+            on_quarantine=lambda q: reporter.checkpoint_removed(q.step, "quarantined", q.reason),
+            progress=reporter.progress,
+        )
+    chosen = ranks.main_path(str(resumed.path) if resumed is not None else None)
+    if not ranks.main and chosen is not None:
+        resumed = load_checkpoint(chosen)
     if resumed is not None:
         load_weights(model, resumed.path)
     elif claim.initial_checkpoint is not None:
         load_weights(model, claim.initial_checkpoint)
     optimizers = build_optimizers(model, workflow.optimizer)
+    trained = ranks.wrap(model)  # what forward and backward run through
     # A checkpoint inside this phase continues it: optimizer state and RNG. The previous
     # phase's final one supplies the weights, and its optimizer state when this phase carries
     # it; the RNG is then the phase's own seed, as at every phase start (an uninterrupted run
@@ -303,19 +318,21 @@ def train_phase(
         )
         log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
 
-    keeper = CheckpointKeeper(
-        writer=CheckpointWriter(directory=directory, tokenizer=tokenizer),
-        reporter=reporter,
-        model=model,
-        optimizers=optimizers,
-        rng=rng,
-        claim=claim,
-        workflow=workflow,
-        latest=resumed_from if inside is not None else None,
-    )
+    keeper: CheckpointKeeper | _NoCheckpoints = _NoCheckpoints()
+    if ranks.main:
+        keeper = CheckpointKeeper(
+            writer=CheckpointWriter(directory=directory, tokenizer=tokenizer),
+            reporter=reporter,
+            model=model,
+            optimizers=optimizers,
+            rng=rng,
+            claim=claim,
+            workflow=workflow,
+            latest=resumed_from if inside is not None else None,
+        )
     done = start  # the last step whose update was made
     try:
-        if start == 0 and workflow.evals:
+        if start == 0 and workflow.evals and ranks.main:
             baseline = list(range(len(workflow.evals)))
             reporter.evals(
                 run_evals(model, workflow, eval_data, reporter, step=0, due=baseline, phase=phase)
@@ -351,10 +368,18 @@ def train_phase(
                     step=step - offset,
                     micro=micro,
                 ).to(device)
-                for micro in range(phase.grad_accum)
+                for micro in ranks.share(phase.grad_accum)
             ]
+            # The loss is weighted over the target tokens of the whole global batch.
+            [step_tokens] = ranks.sum([float(sum(b.target_tokens for b in microbatches))])
             with rng.drawing():
-                result = backward_step(model, microbatches)
+                result = backward_step(
+                    trained,
+                    microbatches,
+                    step_tokens=int(step_tokens),
+                    grad_scale=ranks.grad_scale,
+                )
+            result = _summed(result, ranks, len(source_names))
 
             # --- gradient clipping, then the optimizer steps
             max_norm = workflow.optimizer.grad_clip or math.inf
@@ -393,28 +418,32 @@ def train_phase(
                 },
             )
             # --- eval and checkpoint, as decided above
-            if due_evals:
+            if due_evals and ranks.main:
                 reporter.evals(
                     run_evals(
                         model, workflow, eval_data, reporter, step=step, due=due_evals, phase=phase
                     )
                 )
-            keeper.collect(step)  # a background save that finished
-            if checkpoint_due:
-                keeper.save(step, tokens_seen=tokens_seen)
-
-            # --- stop check: the service's orders, then a preemption notice
+            order: Order = "go"
+            try:
+                keeper.collect(step)  # a background save that finished
+                if checkpoint_due:
+                    keeper.save(step, tokens_seen=tokens_seen)
+                # --- stop check: the service's orders, then a preemption notice
+                if step < last:
+                    order = _order(reporter.check(step), keeper.pause_ordered, stop_requested())
+            except _StopOrdered:
+                order = "stop"
+            order = ranks.agree(order)  # every rank takes rank 0's order
+            if order == "stop":
+                raise _StopOrdered
             if step == last:
                 break
-            action = reporter.check(step)
-            if action == "stop":
-                raise _StopOrdered
-            preempted = stop_requested()
-            if action == "pause" or keeper.pause_ordered or preempted:
+            if order != "go":
                 keeper.save(step, tokens_seen=tokens_seen)  # unless already under way
                 keeper.wait(step)
                 return PhaseOutcome(
-                    status="preempted" if preempted else "paused",
+                    status="preempted" if order == "preempt" else "paused",
                     step=step,
                     checkpoint=keeper.latest,
                     resumed_from=resumed_from,
@@ -431,6 +460,52 @@ def train_phase(
         # After a failure or a stop: a save in flight finishes its temporary directory, which
         # is never put in place or registered.
         keeper.close()
+
+
+def _order(action: str, pause_ordered: bool, preempted: bool) -> Order:
+    """How the step ends: the service's stop first, then a preemption notice, then a pause
+    (ordered now, or answered to a checkpoint's fencing check)."""
+    if action == "stop":
+        return "stop"
+    if preempted:
+        return "preempt"
+    return "pause" if action == "pause" or pause_ordered else "go"
+
+
+class _NoCheckpoints:
+    """The checkpoints of a rank other than 0: none (rank 0's hold the replicated state)."""
+
+    latest: CheckpointRef | None = None
+    pause_ordered = False
+
+    def save(self, step: int, *, tokens_seen: int) -> None:
+        pass
+
+    def collect(self, done: int) -> None:
+        pass
+
+    def wait(self, done: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _summed(result: StepLoss, ranks: Ranks, sources: int) -> StepLoss:
+    """The step's loss and per-source sums over every rank's microbatches (alone: as is)."""
+    if ranks.world == 1:
+        return result
+    values = [float(result.loss)]
+    for i in range(sources):
+        nll, tokens = result.by_source.get(i, (torch.zeros(()), 0))
+        values += [float(nll), float(tokens)]
+    summed = ranks.sum(values)
+    by_source = {
+        i: (torch.tensor(summed[1 + 2 * i]), int(summed[2 + 2 * i]))
+        for i in range(sources)
+        if summed[2 + 2 * i] > 0
+    }
+    return StepLoss(loss=torch.tensor(summed[0]), by_source=by_source)
 
 
 def run_evals(

@@ -1,0 +1,192 @@
+"""A phase on two gloo ranks (worker.distributed) against the same phase on one process: the
+math does not depend on the device count (to float-reduction order), a checkpoint of two ranks
+resumes on one, and on the same count a resume is bit-identical to the uninterrupted run.
+
+The ranks are real processes (spawned, as the worker starts them) joined by gloo on this
+machine; each runs `train_phase` with its `Ranks`, rank 0 with a reporter that writes what it
+heard to a JSON file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from contracts.reports import CheckpointRef, Claim, EvalResult
+from contracts.workflow import Workflow
+from worker.checkpoint import MODEL_WEIGHTS
+from worker.distributed import Ranks, free_port
+from worker.lease import Action
+from worker.reporter import SilentReporter
+from worker.trainer import train_phase
+
+CPU = torch.device("cpu")
+STEPS = 6
+
+
+class FileReporter:
+    """Rank 0's reporter: losses by step and the checkpoints registered, kept for the test."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+        self.checkpoints: list[dict[str, Any]] = []
+        self.eval_results: list[dict[str, Any]] = []
+
+    def metrics(self, step: int, values: Mapping[str, float]) -> None:
+        self.losses[step] = values["loss"]
+
+    def evals(self, results: Sequence[EvalResult]) -> None:
+        self.eval_results += [r.model_dump(mode="json") for r in results]
+
+    def checkpoint(self, ref: CheckpointRef) -> frozenset[int] | None:
+        self.checkpoints.append(ref.model_dump(mode="json"))
+        return frozenset()
+
+    def checkpoint_removed(self, step: int, status: str, reason: str) -> bool:
+        return True
+
+    def check(self, step: int, *, now: bool = False) -> Action:
+        return "continue"
+
+    def progress(self) -> None:
+        pass
+
+    def preparing(self, file: str, fraction: float) -> None:
+        pass
+
+
+def _rank(rank: int, world: int, port: int, claim_json: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        claim = Claim.model_validate_json(claim_json)
+        workflow = Workflow.model_validate(claim.workflow)
+        reporter = FileReporter() if rank == 0 else SilentReporter()
+        outcome = train_phase(
+            claim=claim,
+            workflow=workflow,
+            reporter=reporter,
+            device=CPU,
+            ranks=Ranks(rank=rank, world=world),
+        )
+        if isinstance(reporter, FileReporter):
+            assert outcome.checkpoint is not None
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "losses": reporter.losses,
+                        "checkpoints": reporter.checkpoints,
+                        "final": outcome.checkpoint.path,
+                        "evals": reporter.eval_results,
+                    }
+                )
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(claim: Claim, world: int, out: Path) -> dict[str, Any]:
+    mp.start_processes(
+        _rank,
+        args=(world, free_port(), claim.model_dump_json(), str(out)),
+        nprocs=world,
+        start_method="spawn",
+    )
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["losses"] = {int(k): v for k, v in result["losses"].items()}
+    return result
+
+
+def alone(claim: Claim) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    workflow = Workflow.model_validate(claim.workflow)
+    reporter = FileReporter()
+    outcome = train_phase(claim=claim, workflow=workflow, reporter=reporter, device=CPU)
+    assert outcome.checkpoint is not None
+    return {
+        "losses": reporter.losses,
+        "checkpoints": reporter.checkpoints,
+        "final": outcome.checkpoint.path,
+        "evals": reporter.eval_results,
+    }
+
+
+def weights(result: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return load_file(Path(result["final"]) / MODEL_WEIGHTS)
+
+
+def mid(result: dict[str, Any], step: int) -> CheckpointRef:
+    return CheckpointRef.model_validate(next(c for c in result["checkpoints"] if c["step"] == step))
+
+
+def test_two_ranks_train_what_one_device_trains_and_resume_on_either_count(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_text_file: Callable[..., Path],
+    make_pairs_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "mixture",
+                "objective": "summarization",
+                # Two sources: the per-source sums are gathered over ranks too.
+                "data": [
+                    make_pairs_file(),
+                    {"path": str(make_text_file()), "objective": "continued_pretrain"},
+                ],
+                "steps": STEPS,
+                "grad_accum": 4,
+                "resources": {"devices": 2},
+            }
+        ],
+        checkpoint={"every_steps": 3, "keep_last": 5},
+        evals=[{"task": "summarization", "data": make_pairs_file("eval.jsonl"), "every_steps": 3}],
+    )
+    one = alone(make_claim(workflow, artifact_dir=tmp_path / "one"))
+    two = on_ranks(make_claim(workflow, artifact_dir=tmp_path / "two"), 2, tmp_path / "two.json")
+
+    # The same global batch: losses agree to float-reduction order, step by step. Weights move
+    # further apart: Muon orthogonalises each update in bfloat16, where a last-bit difference
+    # of a float32 gradient can round a bf16 element the other way (an update is ~lr = 0.02 an
+    # element; one of a step that trained half the batch, or twice it, would be far out).
+    assert sorted(two["losses"]) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert math.isclose(two["losses"][step], one["losses"][step], rel_tol=1e-5), step
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-2, atol=1e-3)
+    # Rank 0 alone evaluates and checkpoints: each once, as one device does.
+    assert [c["step"] for c in two["checkpoints"]] == [3, 6]
+    assert [e["step"] for e in two["evals"]] == [e["step"] for e in one["evals"]] == [0, 3, 6]
+
+    # Pre-empted on two ranks, continued on two: bit for bit.
+    again = on_ranks(
+        make_claim(workflow, artifact_dir=tmp_path / "again", resume_from=mid(two, 3)),
+        2,
+        tmp_path / "again.json",
+    )
+    assert sorted(again["losses"]) == [4, 5, 6]
+    assert all(again["losses"][s] == two["losses"][s] for s in (4, 5, 6))
+    c = weights(again)
+    assert all(torch.equal(c[name], b[name]) for name in b)
+
+    # Pre-empted on two ranks, continued on one: the checkpoint holds the replicated state.
+    fewer = alone(make_claim(workflow, artifact_dir=tmp_path / "fewer", resume_from=mid(two, 3)))
+    assert sorted(fewer["losses"]) == [4, 5, 6]
+    assert all(math.isclose(fewer["losses"][s], two["losses"][s], rel_tol=1e-5) for s in (4, 5))
+    d = weights(fewer)
+    for name in b:
+        torch.testing.assert_close(d[name], b[name], rtol=1e-2, atol=1e-3)

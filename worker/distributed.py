@@ -1,0 +1,262 @@
+"""A phase on many devices: N ranks of torch.distributed on one worker.
+
+The worker process that claimed the attempt (the parent) verifies its inputs, then starts N
+rank processes as torchrun does (torch.distributed.elastic's `start_processes`; RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each one's environment) and supervises
+them: one rank that dies makes elastic end the others, and the parent reports the attempt
+failed (`infrastructure`, naming the rank and how it ended), so the service recovers it from
+its latest checkpoint as it does a lost worker's. Every collective has a timeout
+(TRAINCTL_COLLECTIVE_TIMEOUT_SECONDS), so a rank that hangs fails the attempt too. A rank dies
+with the parent (PR_SET_PDEATHSIG): a SIGKILLed worker leaves no rank training behind it.
+
+Rank 0 is the only one that speaks to the service (its own ServiceReporter, taking the lease
+over from the parent's), evaluates and checkpoints; the others train silently. All ranks hold
+the whole model (DDP): rank r takes microbatches r, r+N, r+2N... of each step's `grad_accum`,
+the step's loss is weighted over the target tokens of the whole global batch, and gradients
+are summed over ranks, so the optimizers see what one device would have seen, to
+float-reduction order. Each step ends with rank 0's order (go, pause, preempt, stop) broadcast
+to all. A checkpoint is rank 0's: replicated state written as one device writes it, so it loads
+on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from contracts.reports import Claim
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+Order = Literal["go", "pause", "preempt", "stop"]
+
+# In the launch directory: rank 0 creates REPORTING once its own reporter holds the lease (the
+# parent then lets go of it); the parent creates PREEMPT when it gets a preemption notice.
+REPORTING = "reporting"
+PREEMPT = "preempt"
+
+_PR_SET_PDEATHSIG = 1
+# Elastic turns these into an exception in the process that starts the ranks; in a worker,
+# SIGTERM is Celery's warm shutdown (the preemption notice) and must stay Celery's.
+_ELASTIC_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the phase's ranks. `Ranks()` is one process alone, where
+    every collective is a no-op."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, grad_accum: int) -> range:
+        """The indices of a step's microbatches this rank computes."""
+        return range(self.rank, grad_accum, self.world)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """What the forward and backward run through: DDP over more than one rank (its
+        gradients averaged over ranks at the last microbatch; `grad_scale` turns the average
+        into the sum), the model itself alone. Buffers are synced once, at the wrap, not at
+        every forward: every rank computes the same ones."""
+        if self.world == 1:
+            return model
+        return DistributedDataParallel(model, forward_sync_buffers=False)
+
+    @property
+    def grad_scale(self) -> float:
+        return float(self.world)
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over ranks (float64: token counts stay exact)."""
+        if self.world == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return [float(v) for v in tensor.tolist()]
+
+    def agree(self, order: Order) -> Order:
+        """Rank 0's order, on every rank."""
+        if self.world == 1:
+            return order
+        box: list[Order] = [order]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def main_path(self, path: str | None) -> str | None:
+        """Rank 0's `path` (the checkpoint it chose to resume from), on every rank."""
+        if self.world == 1:
+            return path
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def owned_devices(settings: WorkerSettings) -> tuple[Literal["cpu", "cuda"], list[int]]:
+    """(device kind, indices of the devices this worker owns). TRAINCTL_DEVICES is a count
+    ("2": on CPU, two gloo ranks) or CUDA indices ("0,1"); unset: every visible GPU, or one
+    CPU rank."""
+    cuda = settings.device != "cpu" and torch.cuda.is_available()
+    kind: Literal["cpu", "cuda"] = "cuda" if cuda else "cpu"
+    given = settings.devices.strip()
+    if not given:
+        return kind, list(range(torch.cuda.device_count() if cuda else 1))
+    if "," in given:
+        return kind, [int(part) for part in given.split(",") if part.strip()]
+    return kind, list(range(int(given)))
+
+
+def rank_device(kind: str, ids: list[int], local_rank: int) -> torch.device:
+    return torch.device("cuda", ids[local_rank]) if kind == "cuda" else torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    kept = {sig: signal.getsignal(sig) for sig in _ELASTIC_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    message: str
+
+
+def launch_ranks(
+    claim: Claim,
+    *,
+    settings: WorkerSettings,
+    stop_requested: Callable[[], bool],
+    handed_over: Callable[[], None],
+) -> tuple[object, RankFailure | None]:
+    """Run the claimed phase on `claim.devices` ranks and wait for them: (rank 0's return
+    value, None) when every rank ended well, (None, the first failure) when one did not (the
+    others are ended then). `handed_over` is called once rank 0's reporter holds the lease.
+    A preemption notice (`stop_requested`) is passed on to rank 0."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    world = claim.devices
+    workdir = Path(tempfile.mkdtemp(prefix=f"trainctl-ranks-{claim.attempt_id}-"))
+    port = free_port()
+    envs = {
+        rank: {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        for rank in range(world)
+    }
+    args = {rank: (claim.model_dump_json(), str(workdir)) for rank in range(world)}
+    with _signals_kept():
+        context = start_processes(
+            name="trainctl-rank",
+            entrypoint=rank_main,
+            args=args,
+            envs=envs,
+            logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
+        )
+    log.info("attempt %s: started %d ranks (master port %d)", claim.attempt_id, world, port)
+    told = reporting = False
+    try:
+        while (result := context.wait(timeout=0.5, period=0.1)) is None:
+            if not reporting and (workdir / REPORTING).exists():
+                reporting = True
+                handed_over()
+            if not told and stop_requested():
+                told = True
+                (workdir / PREEMPT).touch()
+    finally:
+        context.close()
+    if not reporting:
+        handed_over()
+    if result.is_failed():
+        rank, failure = min(result.failures.items())
+        how = (
+            f"signal {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exit code {failure.exitcode}"
+        )
+        why = f": {failure.message}" if failure.message and "<N/A>" not in failure.message else ""
+        return None, RankFailure(rank, f"rank {rank} of {world} ended with {how}{why}")
+    return result.return_values.get(0), None
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def rank_main(claim_json: str, workdir: str) -> object:
+    """A rank process: join the group, train the phase, leave. Rank 0 reports to the service
+    and returns the phase's outcome; the others return None."""
+    _die_with_parent()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_rank_main)(claim_json, workdir)
+
+
+def _rank_main(claim_json: str, workdir: str) -> object:
+    from runtime.logs import configure_logging
+    from worker.runner import run_rank
+    from worker.settings import get_settings
+
+    settings = get_settings()
+    configure_logging(settings.log_format, settings.log_level)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    kind, ids = owned_devices(settings)
+    device = rank_device(kind, ids, int(os.environ["LOCAL_RANK"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=settings.collective_timeout_seconds),
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        claim = Claim.model_validate_json(claim_json)
+        directory = Path(workdir)
+        return run_rank(
+            claim,
+            settings=settings,
+            ranks=Ranks(rank=rank, world=world),
+            device=device,
+            stop_requested=(directory / PREEMPT).exists,
+            reporting=lambda: (directory / REPORTING).touch(),
+        )
+    finally:
+        dist.destroy_process_group()
