@@ -247,6 +247,7 @@ def _rank_main(claim_json: str, workdir: str) -> object:
         timeout=timedelta(seconds=settings.collective_timeout_seconds),
         device_id=device if device.type == "cuda" else None,
     )
+    log.info("rank %d of %d (pid %d) joined on %s", rank, world, os.getpid(), device)
     try:
         claim = Claim.model_validate_json(claim_json)
         directory = Path(workdir)

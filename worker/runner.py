@@ -243,6 +243,7 @@ def run_rank(
                         ranks=ranks,
                         restore_rng=not settings.test_skip_rng_restore,
                     ),
+                    report_crashes=False,
                 )
         finally:
             reporter.close()
@@ -257,11 +258,18 @@ def _where(claim: Claim) -> str:
 
 
 def _train_and_finish(
-    claim: Claim, reporter: ServiceReporter, work: Callable[[], PhaseOutcome | None]
+    claim: Claim,
+    reporter: ServiceReporter,
+    work: Callable[[], PhaseOutcome | None],
+    *,
+    report_crashes: bool = True,
 ) -> PhaseOutcome | None:
     """Do `work` (verify and train), then report how it ended. Returns the outcome, or None
     when the attempt was superseded, stopped or failed (the failure is reported with its
-    cause). `work` returning None reports nothing: it trained nothing yet."""
+    cause). `work` returning None reports nothing: it trained nothing yet. Without
+    `report_crashes` an unexpected exception is raised, not reported: rank 0 of many leaves
+    it to the parent, which knows which rank failed first (a dead peer is an error in rank
+    0's next collective)."""
     where = _where(claim)
     outcome: PhaseOutcome | None = None
     try:
@@ -274,6 +282,8 @@ def _train_and_finish(
     except (torch.OutOfMemoryError, MemoryError) as err:
         finish = _failed(claim, reporter, "oom", f"out of memory: {err} ({where})")
     except Exception as err:
+        if not report_crashes:
+            raise
         log.exception("%s failed", where)
         message = f"{type(err).__name__}: {err} at {origin(err)} ({where})"
         finish = _failed(claim, reporter, "infrastructure", message)
