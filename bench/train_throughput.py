@@ -23,7 +23,11 @@ last (startup, tokenization and the final checkpoint are outside), for the bare 
 number of steps after one warm-up step. Both count every position of the envelope as a token.
 
     .venv/bin/python bench/train_throughput.py [--objective summarization] [--rounds 5]
-        [--steps 20]
+        [--steps 20] [--device cuda --size gpu [--peak-tflops 989]]
+
+`--device cuda` trains both loops under bf16 autocast, as the worker does on a GPU; `--size gpu`
+is a ~150M-parameter llama in 8 x 2048-token microbatches, and with a known device (or
+`--peak-tflops`) the model FLOPs utilisation (MFU) of both is printed.
 
 Prints a markdown table; writes nothing but temporary files (tokenizer, data, the phase's final
 checkpoint) that are deleted on exit.
@@ -39,6 +43,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +60,62 @@ from worker.optim import build_optimizers
 from worker.reporter import Action
 from worker.trainer import train_phase
 
-SEQUENCE_LENGTH = 64
-MICROBATCH_SIZE = 8
-MODEL: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 256,
+
+@dataclass(frozen=True)
+class Setup:
+    """The model and microbatch both loops train."""
+
+    model: dict[str, Any]
+    sequence_length: int
+    microbatch_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.sequence_length * self.microbatch_size
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x parameters of the matrices, plus attention's
+        scores and values (forward 2 x 2 x layers x hidden x sequence, x3 with backward)."""
+        m = self.model
+        hidden, layers = m["hidden_size"], m["num_hidden_layers"]
+        matrices = layers * (4 * hidden * hidden + 3 * hidden * m["intermediate_size"])
+        matrices += m["vocab_size"] * hidden  # the head
+        return 6.0 * matrices + 12.0 * layers * hidden * self.sequence_length
+
+
+SIZES = {
+    # The demo's scale: what 2 CPU cores train in seconds.
+    "demo": Setup(
+        model={
+            "model_type": "llama",
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 256,
+        },
+        sequence_length=64,
+        microbatch_size=8,
+    ),
+    # A GPU's: ~150M parameters in 16,384-token microbatches (8 x 2048), as the original
+    # workflow's supervised phases.
+    "gpu": Setup(
+        model={
+            "model_type": "llama",
+            "vocab_size": 1024,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 16,
+            "max_position_embeddings": 2048,
+        },
+        sequence_length=2048,
+        microbatch_size=8,
+    ),
 }
+# Dense bf16 peak TFLOP/s by device name, for MFU; others need --peak-tflops.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 _TEXT = (
     "the a model trains on tokens and learns to predict the next one from what came before "
     "while the optimizer updates weights with momentum and the schedule lowers the rate"
@@ -100,7 +150,7 @@ class TimingReporter:
         pass
 
 
-def write_inputs(folder: Path, objective: str) -> tuple[Path, Path]:
+def write_inputs(folder: Path, objective: str, setup: Setup) -> tuple[Path, Path]:
     """The tokenizer, and the data of `objective`: 2000 documents of 60 words for pretraining,
     2000 pairs of 3-30 source and 1-9 target words for a supervised objective."""
     rng = random.Random(0)
@@ -116,7 +166,7 @@ def write_inputs(folder: Path, objective: str) -> tuple[Path, Path]:
     tokenizer.train_from_iterator(
         texts,
         trainers.BpeTrainer(
-            vocab_size=MODEL["vocab_size"],
+            vocab_size=setup.model["vocab_size"],
             special_tokens=["<|pad|>", "<|endoftext|>"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
@@ -134,21 +184,23 @@ def write_inputs(folder: Path, objective: str) -> tuple[Path, Path]:
     return tokenizer_path, data_path
 
 
-def make_workflow(tokenizer: Path, data: Path, objective: str, steps: int) -> Workflow:
+def make_workflow(
+    tokenizer: Path, data: Path, objective: str, steps: int, setup: Setup
+) -> Workflow:
     return Workflow.model_validate(
         {
             "name": "bench",
-            "model": {"config": MODEL},
+            "model": {"config": setup.model},
             "tokenizer": str(tokenizer),
-            "microbatch_tokens": SEQUENCE_LENGTH * MICROBATCH_SIZE,
+            "microbatch_tokens": setup.tokens,
             "checkpoint": {"every_steps": 10**6},
             "phases": [
                 {
                     "name": "bench",
                     "objective": objective,
                     "data": [{"path": str(data)}],
-                    "sequence_length": SEQUENCE_LENGTH,
-                    "microbatch_size": MICROBATCH_SIZE,
+                    "sequence_length": setup.sequence_length,
+                    "microbatch_size": setup.microbatch_size,
                     "steps": steps,
                 }
             ],
@@ -156,7 +208,9 @@ def make_workflow(tokenizer: Path, data: Path, objective: str, steps: int) -> Wo
     )
 
 
-def trainctl_tokens_per_s(workflow: Workflow, artifact_dir: Path, steps: int) -> float:
+def trainctl_tokens_per_s(
+    workflow: Workflow, artifact_dir: Path, steps: int, device: torch.device
+) -> float:
     claim = Claim(
         attempt_id="bench",
         run_id="bench",
@@ -170,9 +224,9 @@ def trainctl_tokens_per_s(workflow: Workflow, artifact_dir: Path, steps: int) ->
         artifact_dir=str(artifact_dir),
     )
     reporter = TimingReporter()
-    train_phase(claim=claim, workflow=workflow, reporter=reporter, device=torch.device("cpu"))
+    train_phase(claim=claim, workflow=workflow, reporter=reporter, device=device)
     elapsed = reporter.times[steps + 1] - reporter.times[1]
-    return steps * SEQUENCE_LENGTH * MICROBATCH_SIZE / elapsed
+    return steps * workflow.phases[0].microbatch_tokens / elapsed
 
 
 def batch_fill(workflow: Workflow, steps: int) -> tuple[float, float, float | None]:
@@ -199,17 +253,23 @@ def batch_fill(workflow: Workflow, steps: int) -> tuple[float, float, float | No
     return real / positions, targets / positions, records
 
 
-def bare_tokens_per_s(workflow: Workflow, steps: int) -> float:
+def bare_tokens_per_s(workflow: Workflow, steps: int, setup: Setup, device: torch.device) -> float:
     torch.manual_seed(0)
-    config = {k: v for k, v in MODEL.items() if k != "model_type"}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).train()
+    config = {k: v for k, v in setup.model.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config))
+    model = model.to(device).train()
     optimizers = build_optimizers(model, workflow.optimizer)
-    ids = torch.randint(0, MODEL["vocab_size"], (MICROBATCH_SIZE, SEQUENCE_LENGTH + 1))
+    ids = torch.randint(
+        0, setup.model["vocab_size"], (setup.microbatch_size, setup.sequence_length + 1)
+    ).to(device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
+    cuda = device.type == "cuda"
 
     def step() -> None:
-        logits = model(input_ids=inputs, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        # As worker.objective: the forward under bf16 autocast on CUDA, the loss in float32.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(input_ids=inputs, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizers.muon.step()
@@ -222,7 +282,7 @@ def bare_tokens_per_s(workflow: Workflow, steps: int) -> float:
     started = time.perf_counter()
     for _ in range(steps):
         step()
-    return steps * SEQUENCE_LENGTH * MICROBATCH_SIZE / (time.perf_counter() - started)
+    return steps * setup.tokens / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -235,27 +295,42 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="demo")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
-    # The worker trains on CPU deterministically; the bare loop runs under the same setting.
-    configure_determinism(torch.device("cpu"))
+    device, setup = torch.device(args.device), SIZES[args.size]
+    # As the worker: deterministic on CPU; bf16 autocast on CUDA for both loops.
+    configure_determinism(device)
+    peak = args.peak_tflops
+    if device.type == "cuda" and peak is None:
+        name = torch.cuda.get_device_name(device)
+        peak = next((tf for key, tf in PEAK_TFLOPS.items() if key in name), None)
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="trainctl-bench-") as tmp:
         folder = Path(tmp)
-        tokenizer, data = write_inputs(folder, args.objective)
+        tokenizer, data = write_inputs(folder, args.objective, setup)
         # One step more than timed: the interval runs from the first step's metrics to the last's.
-        workflow = make_workflow(tokenizer, data, args.objective, args.steps + 1)
+        workflow = make_workflow(tokenizer, data, args.objective, args.steps + 1, setup)
         fill, target_share, records = batch_fill(workflow, args.steps)
         for round_index in range(args.rounds):
-            ours = trainctl_tokens_per_s(workflow, folder / f"run-{round_index}", args.steps)
-            bare = bare_tokens_per_s(workflow, args.steps)
+            run_dir = folder / f"run-{round_index}"
+            ours = trainctl_tokens_per_s(workflow, run_dir, args.steps, device)
+            bare = bare_tokens_per_s(workflow, args.steps, setup, device)
             rows.append((ours, ours * fill, bare, ours / bare, ours * fill / bare))
 
+    m = setup.model
+    where = (
+        f"CPU, {torch.get_num_threads()} torch threads"
+        if device.type == "cpu"
+        else f"{torch.cuda.get_device_name(device)}, bf16 autocast"
+    )
     print(
-        f"Training throughput, CPU, {torch.get_num_threads()} torch threads: llama vocab "
-        f"{MODEL['vocab_size']}, hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} "
-        f"layers, microbatch {MICROBATCH_SIZE} x {SEQUENCE_LENGTH} tokens, Muon + AdamW; "
+        f"Training throughput, {where}: llama vocab {m['vocab_size']}, hidden "
+        f"{m['hidden_size']}, {m['num_hidden_layers']} layers, microbatch "
+        f"{setup.microbatch_size} x {setup.sequence_length} tokens, Muon + AdamW; "
         f"{args.rounds} interleaved rounds of {args.steps} steps."
     )
     if records is None:
@@ -279,6 +354,15 @@ def main() -> None:
     ]:
         rates = f"{ours:,.0f} | {real:,.0f} | {bare:,.0f}"
         print(f"| {label} | {rates} | {ratio:.3f} | {real_ratio:.3f} |")
+    if peak is not None:
+        # Model FLOPs utilisation: the FLOPs the model needs per token at the median rate,
+        # against the device's dense bf16 peak.
+        flops = setup.flops_per_token()
+        mfu, bare_mfu = (medians[i] * flops / (peak * 1e12) for i in (0, 2))
+        print(
+            f"\nMFU at {flops / 1e9:.2f} GFLOP a token against {peak:g} TFLOP/s: trainctl "
+            f"{mfu:.1%}, bare PyTorch {bare_mfu:.1%}"
+        )
 
 
 if __name__ == "__main__":

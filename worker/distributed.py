@@ -223,8 +223,13 @@ def _die_with_parent() -> None:
 
 def rank_main(claim_json: str, workdir: str) -> object:
     """A rank process: join the group, train the phase, leave. Rank 0 reports to the service
-    and returns the phase's outcome; the others return None."""
+    and returns the phase's outcome; the others return None. A preemption notice reaches the
+    ranks from the parent only (the PREEMPT file, at a step's end on every rank at once):
+    SIGTERM and SIGINT sent to the whole process group (systemd, a terminal's Ctrl-C) would
+    otherwise kill them before the checkpoint the notice asks for."""
     _die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(_rank_main)(claim_json, workdir)

@@ -1,7 +1,9 @@
 """A phase on two gloo ranks through the whole stack (`trainctl serve` on Postgres, a worker
 on Redis owning TRAINCTL_DEVICES=2): routed to the two-device queue, trained by two rank
 processes, a SIGKILL of one rank recovered from the latest checkpoint to a run bit-identical
-to an uninterrupted one, and a run paused on two ranks resumed on one."""
+to an uninterrupted one, a SIGTERM to the worker's whole process group taken as a preemption
+notice (checkpoint, hand back, continue bit-identically), and a run paused on two ranks
+resumed on one."""
 
 from __future__ import annotations
 
@@ -80,6 +82,21 @@ def test_two_ranks_train_through_the_api_survive_a_killed_rank_and_resume_on_one
             reference = reference_run(api, body, worker)
             assert [a["devices"] for a in reference["attempts"]] == [2]
             assert_identical_runs(api, killed, reference)
+
+            # SIGTERM to the whole process group, as systemd sends it: the ranks ignore it, the
+            # parent passes the notice on, rank 0 checkpoints at the step's end, the attempt is
+            # preempted and the worker exits; the next worker continues bit for bit.
+            noticed_id = api.post("/runs", json=body).json()["id"]
+            wait_until(lambda: step_of(api, noticed_id) >= 5, timeout=120, what="step 5")
+            os.killpg(worker.pid, signal.SIGTERM)
+            assert worker.popen.wait(timeout=120) == 0, worker.tail()
+            noticed = api.get(f"/runs/{noticed_id}").json()
+            assert noticed["attempts"][0]["status"] == "preempted", noticed["attempts"]
+            assert 5 <= noticed["latest_checkpoint"]["step"] < STEPS
+            worker = stack.worker(**WORKER_ENV)
+            noticed = wait_for_run(api, noticed_id, timeout=300, procs=[worker])
+            assert [a["status"] for a in noticed["attempts"]] == ["preempted", "succeeded"]
+            assert_identical_runs(api, noticed, reference)
 
             # Paused on two ranks, resumed on one: the checkpoint holds the replicated state.
             paused_id = api.post("/runs", json=body).json()["id"]

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU check: one short script for a machine with CUDA GPUs. It runs
+#   1. the demo (`trainctl demo`: the embedded stack, SQLite, one worker) on cuda, bf16 autocast;
+#   2. the throughput bench at GPU size (bench/train_throughput.py --device cuda --size gpu:
+#      tokens/s and MFU of trainctl's loop and of a bare PyTorch loop, against the GPU's peak);
+#   3. when two GPUs are there, the demo with every phase on two ranks (NCCL, DDP);
+# and prints one summary. Logs go to $OUT (the device tool's folder) or a temporary directory.
+#
+#   bash bench/gpu_check.sh            # PYTHON=... to pick an interpreter with CUDA torch
+#
+# It needs torch with CUDA and the worker's packages (transformers, tokenizers, safetensors,
+# numpy, zstandard) plus the service's (fastapi, uvicorn, sqlalchemy, alembic, ...) importable
+# by $PYTHON; the repository itself is put on PYTHONPATH. Nothing is downloaded at run time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
+
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "${gpus:-0}" -lt 1 ]; then
+    echo "gpu_check: no CUDA GPU visible to $PY (torch.cuda.is_available() is false)" >&2
+    exit 2
+fi
+name=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))')
+echo "gpu_check: $gpus x $name; logs in $out"
+
+demo() {  # demo LOG [WORKFLOW]: the embedded demo on cuda, its own home
+    local log=$1 home
+    home=$(mktemp -d)
+    shift
+    local started=$SECONDS
+    TRAINCTL_HOME=$home TRAINCTL_DEVICE=cuda "$@" "$PY" -m cli demo ${WORKFLOW:+--workflow "$WORKFLOW"} \
+        >"$log" 2>&1
+    local rc=$?
+    echo "$rc $((SECONDS - started))"
+}
+
+read -r demo_rc demo_s < <(demo "$out/demo.log" env)
+"$PY" bench/train_throughput.py --device cuda --size gpu --rounds 3 --steps 10 \
+    >"$out/throughput.md" 2>"$out/throughput.err"
+bench_rc=$?
+
+two="skipped (one GPU)"
+if [ "$gpus" -ge 2 ]; then
+    WORKFLOW="$out/demo.two-ranks.json"
+    "$PY" - "$WORKFLOW" <<'EOF'
+import json, sys
+from pathlib import Path
+from runtime.path import resolve_paths
+demo = Path("examples/workflows/demo.json")
+doc = resolve_paths(json.loads(demo.read_text()), demo.parent)
+doc["name"] = "demo-two-ranks"
+doc["resources"] = {"devices": 2}
+for phase in doc["phases"]:  # a step's microbatches over both ranks: a multiple of 2
+    phase["grad_accum"] = 2 * phase.get("grad_accum", 1)
+Path(sys.argv[1]).write_text(json.dumps(doc))
+EOF
+    export WORKFLOW
+    read -r two_rc two_s < <(demo "$out/demo.two-ranks.log" env TRAINCTL_DEVICES=2)
+    unset WORKFLOW
+    two="exit $two_rc in ${two_s}s ($( [ "$two_rc" = 0 ] && echo 'loss fell, every task beat its baseline' || echo 'FAILED: see demo.two-ranks.log'))"
+fi
+
+echo
+echo "## GPU check: $gpus x $name"
+echo
+echo "- demo on cuda (bf16): exit $demo_rc in ${demo_s}s" \
+    "($( [ "$demo_rc" = 0 ] && echo 'loss fell, every task beat its baseline' || echo 'FAILED: see demo.log'))"
+echo "- two-rank demo (NCCL): $two"
+echo "- throughput bench (exit $bench_rc):"
+echo
+sed 's/^/    /' "$out/throughput.md"
+tail -n 15 "$out/demo.log" >"$out/demo.tail" 2>/dev/null
+[ "$demo_rc" = 0 ] && [ "$bench_rc" = 0 ] && { [ "$gpus" -lt 2 ] || [ "${two_rc:-0}" = 0 ]; }
