@@ -21,11 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from contracts.reports import CheckpointRef, Claim, EvalResult
+from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.workflow import Workflow
 from worker.checkpoint import MODEL_WEIGHTS
 from worker.distributed import Ranks, free_port
-from worker.lease import Action
 from worker.reporter import SilentReporter
 from worker.trainer import train_phase
 
@@ -33,8 +32,9 @@ CPU = torch.device("cpu")
 STEPS = 6
 
 
-class FileReporter:
-    """Rank 0's reporter: losses by step and the checkpoints registered, kept for the test."""
+class FileReporter(SilentReporter):
+    """Rank 0's reporter: losses by step, evals and the checkpoints registered, kept for the
+    test; no order ever comes."""
 
     def __init__(self) -> None:
         self.losses: dict[int, float] = {}
@@ -51,17 +51,8 @@ class FileReporter:
         self.checkpoints.append(ref.model_dump(mode="json"))
         return frozenset()
 
-    def checkpoint_removed(self, step: int, status: str, reason: str) -> bool:
-        return True
-
-    def check(self, step: int, *, now: bool = False) -> Action:
-        return "continue"
-
-    def progress(self) -> None:
-        pass
-
-    def preparing(self, file: str, fraction: float) -> None:
-        pass
+    def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
+        return True  # recorded: retention deletes as it would
 
 
 def _rank(rank: int, world: int, port: int, claim_json: str, out: str) -> None:
