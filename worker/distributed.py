@@ -64,6 +64,8 @@ class Ranks:
 
     rank: int = 0
     world: int = 1
+    # Where this rank's collectives run: NCCL reduces CUDA tensors only.
+    device: torch.device = torch.device("cpu")
 
     @property
     def main(self) -> bool:
@@ -90,7 +92,7 @@ class Ranks:
         """Element-wise sums over ranks (float64: token counts stay exact)."""
         if self.world == 1:
             return values
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return [float(v) for v in tensor.tolist()]
 
@@ -259,7 +261,7 @@ def _rank_main(claim_json: str, workdir: str) -> object:
         return run_rank(
             claim,
             settings=settings,
-            ranks=Ranks(rank=rank, world=world),
+            ranks=Ranks(rank=rank, world=world, device=device),
             device=device,
             stop_requested=(directory / PREEMPT).exists,
             reporting=lambda: (directory / REPORTING).touch(),
