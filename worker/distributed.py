@@ -34,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -51,6 +52,7 @@ Order = Literal["go", "pause", "preempt", "stop"]
 REPORTING = "reporting"
 PREEMPT = "preempt"
 
+_CPU = torch.device("cpu")
 _PR_SET_PDEATHSIG = 1
 # Elastic turns these into an exception in the process that starts the ranks; in a worker,
 # SIGTERM is Celery's warm shutdown (the preemption notice) and must stay Celery's.
@@ -65,7 +67,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     # Where this rank's collectives run: NCCL reduces CUDA tensors only.
-    device: torch.device = torch.device("cpu")
+    device: torch.device = _CPU
 
     @property
     def main(self) -> bool:
@@ -95,6 +97,38 @@ class Ranks:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return [float(v) for v in tensor.tolist()]
+
+    def seed(self, phase_seed: int) -> int:
+        """This rank's seed of the phase's private random streams (dropout): the phase's own
+        on rank 0, as on one device, and one of its own on every other rank, so that ranks
+        draw different masks for their different microbatches."""
+        if self.rank == 0:
+            return phase_seed
+        return int(np.random.SeedSequence([phase_seed, self.rank]).generate_state(1)[0])
+
+    def gather_random(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's random streams, for rank 0's checkpoint: its own under their names,
+        rank r's under `rank<r>/<name>` (elsewhere: {}). Alone: `state` itself."""
+        if self.world == 1:
+            return state
+        gathered: list[dict[str, torch.Tensor]] | None = (
+            [{} for _ in range(self.world)] if self.main else None
+        )
+        dist.gather_object(state, gathered, dst=0)
+        if gathered is None:
+            return {}
+        out = dict(gathered[0])
+        for rank, theirs in enumerate(gathered[1:], start=1):
+            out.update({f"rank{rank}/{name}": value for name, value in theirs.items()})
+        return out
+
+    def own_random(self, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's streams out of a checkpoint's (`gather_random`); none for a rank the
+        checkpoint's run did not have (resumed on more ranks): they start from their seed."""
+        if self.rank == 0:
+            return {k: v for k, v in saved.items() if "/" not in k}
+        prefix = f"rank{self.rank}/"
+        return {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
 
     def agree(self, order: Order) -> Order:
         """Rank 0's order, on every rank."""

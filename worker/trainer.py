@@ -103,7 +103,6 @@ class CheckpointKeeper:
         reporter: Reporter,
         model: PreTrainedModel,
         optimizers: Optimizers,
-        rng: PrivateRandom,
         claim: Claim,
         workflow: Workflow,
         latest: CheckpointRef | None,
@@ -113,7 +112,6 @@ class CheckpointKeeper:
         self._reporter = reporter
         self._model = model
         self._optimizers = optimizers
-        self._rng = rng
         self._claim = claim
         self._phase = workflow.phases[claim.phase_index]
         self._offset = offsets[claim.phase_index]
@@ -124,9 +122,10 @@ class CheckpointKeeper:
         self.latest = latest  # the newest registered checkpoint of this phase
         self.pause_ordered = False  # a fencing check was answered "pause"
 
-    def save(self, step: int, *, tokens_seen: int) -> None:
-        """Start saving the model after update `step`, unless that save is already under way;
-        the previous save is registered first if it finished meanwhile."""
+    def save(self, step: int, *, tokens_seen: int, rng: dict[str, torch.Tensor]) -> None:
+        """Start saving the model after update `step` with the random streams `rng` (every
+        rank's: `Ranks.gather_random`), unless that save is already under way; the previous
+        save is registered first if it finished meanwhile."""
         if self._writer.last_started == step:
             return
         state = CheckpointState(
@@ -143,7 +142,7 @@ class CheckpointKeeper:
             model=self._model,
             optimizers=self._optimizers,
             state=state,
-            rng=self._rng.state_dict(),
+            rng=rng,
         )
         self._register(saved, done=step)
 
@@ -271,7 +270,7 @@ def train_phase(
     # optimizer state, then the phase's private random streams.
     model = build_model(workflow, device)
     _check_vocabulary(model, tokenizer, workflow.tokenizer)
-    rng = PrivateRandom(phase_seed(workflow.seed, phase_index), device)
+    rng = PrivateRandom(ranks.seed(phase_seed(workflow.seed, phase_index)), device)
     # Each quarantine is reported as it happens, before a failure to find any usable
     # checkpoint propagates: the service must never hand it out again.
     # Rank 0 chooses (and quarantines what fails verification); every rank loads its choice.
@@ -301,7 +300,7 @@ def train_phase(
     if inside is not None:
         optimizers.load_state_dict(inside.optimizer)
         if restore_rng:
-            _restore_random(rng, inside.rng, inside.path)
+            _restore_random(rng, ranks.own_random(inside.rng), inside.path)
         else:
             log.warning("not restoring the RNG (TRAINCTL_TEST_SKIP_RNG_RESTORE): inexact resume")
     elif carried is not None:
@@ -325,7 +324,6 @@ def train_phase(
             reporter=reporter,
             model=model,
             optimizers=optimizers,
-            rng=rng,
             claim=claim,
             workflow=workflow,
             latest=resumed_from if inside is not None else None,
@@ -425,10 +423,12 @@ def train_phase(
                     )
                 )
             order: Order = "go"
+            # Every rank's random streams, gathered before anything on rank 0 may stop it.
+            streams = ranks.gather_random(rng.state_dict()) if checkpoint_due else None
             try:
                 keeper.collect(step)  # a background save that finished
-                if checkpoint_due:
-                    keeper.save(step, tokens_seen=tokens_seen)
+                if streams is not None:
+                    keeper.save(step, tokens_seen=tokens_seen, rng=streams)
                 # --- stop check: the service's orders, then a preemption notice
                 if step < last:
                     order = _order(reporter.check(step), keeper.pause_ordered, stop_requested())
@@ -440,7 +440,8 @@ def train_phase(
             if step == last:
                 break
             if order != "go":
-                keeper.save(step, tokens_seen=tokens_seen)  # unless already under way
+                streams = ranks.gather_random(rng.state_dict())
+                keeper.save(step, tokens_seen=tokens_seen, rng=streams)  # unless under way
                 keeper.wait(step)
                 return PhaseOutcome(
                     status="preempted" if order == "preempt" else "paused",
@@ -478,7 +479,7 @@ class _NoCheckpoints:
     latest: CheckpointRef | None = None
     pause_ordered = False
 
-    def save(self, step: int, *, tokens_seen: int) -> None:
+    def save(self, step: int, *, tokens_seen: int, rng: dict[str, torch.Tensor]) -> None:
         pass
 
     def collect(self, done: int) -> None:

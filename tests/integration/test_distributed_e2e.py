@@ -115,8 +115,8 @@ def test_two_ranks_train_through_the_api_survive_a_killed_rank_and_resume_on_one
             final_state(fewer)  # its final checkpoint is the run's last step
             # Every step's loss, the resumed ones on one rank included, is close to the
             # two-rank run's: the same batches and state. Not equal: dropout masks are drawn
-            # per rank (both ranks from the phase's one stream, one rank in another order),
-            # and Muon orthogonalises in bfloat16. A wrong batch or lost state is ~1e-1 off.
+            # per rank (one rank draws rank 1's microbatch masks from rank 0's stream), and
+            # Muon orthogonalises in bfloat16. A wrong batch or lost state is ~1e-1 off.
             losses = series(api, paused_id)["loss"]["values"]
             ref_losses = series(api, reference["id"])["loss"]["values"]
             assert len(losses) == len(ref_losses) == STEPS

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.workflow import Workflow
-from worker.checkpoint import MODEL_WEIGHTS
+from worker.checkpoint import MODEL_WEIGHTS, RNG
 from worker.distributed import Ranks, free_port
 from worker.reporter import SilentReporter
 from worker.trainer import train_phase
@@ -181,3 +181,39 @@ def test_two_ranks_train_what_one_device_trains_and_resume_on_either_count(
     d = weights(fewer)
     for name in b:
         torch.testing.assert_close(d[name], b[name], rtol=1e-2, atol=1e-3)
+
+
+def test_with_dropout_each_rank_draws_its_own_masks_and_a_resume_restores_every_rank_s(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": STEPS,
+                "grad_accum": 2,
+                "resources": {"devices": 2},
+            }
+        ],
+        model={"attention_dropout": 0.3},
+        checkpoint={"every_steps": 3, "keep_last": 5},
+    )
+    straight = on_ranks(make_claim(workflow, artifact_dir=tmp_path / "a"), 2, tmp_path / "a.json")
+    # Rank 0's checkpoint holds both ranks' streams, and they are not the same stream.
+    streams = torch.load(Path(mid(straight, 3).path) / RNG, weights_only=True)
+    assert set(streams) == {"cpu", "rank1/cpu"}
+    assert not torch.equal(streams["cpu"], streams["rank1/cpu"])
+
+    resumed = on_ranks(
+        make_claim(workflow, artifact_dir=tmp_path / "b", resume_from=mid(straight, 3)),
+        2,
+        tmp_path / "b.json",
+    )
+    assert all(resumed["losses"][s] == straight["losses"][s] for s in (4, 5, 6))
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[name], b[name]) for name in a)
