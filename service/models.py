@@ -59,6 +59,9 @@ CHECKPOINT_STATUSES: tuple[str, ...] = get_args(CheckpointStatus)
 TokenRole = Literal["admin", "user", "viewer", "worker"]
 TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
 
+# String(64): one tag of a run (RunTag).
+MAX_TAG = 64
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -169,9 +172,22 @@ class Run(Base):
     # later attempt, of this phase and the next ones, runs on it. None: as the workflow asks
     # (contracts.workflow.Workflow.phase_devices).
     devices: Mapped[int | None]
+    # Free text about the run, for people (PATCH /runs/{id}); its tags are rows of RunTag.
+    note: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None]
+
+
+class RunTag(Base):
+    """One tag of a run (PATCH /runs/{id} replaces the set). Keyed by (run, tag); the index on
+    (tag, run) makes `GET /runs?tag=...` one range."""
+
+    __tablename__ = "run_tags"
+    __table_args__ = (Index("ix_run_tags_tag_run_id", "tag", "run_id"),)
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(MAX_TAG), primary_key=True)
 
 
 class Attempt(Base):

@@ -26,6 +26,7 @@ TABLES = {
     "jobs",
     "workers",
     "audit_events",
+    "run_tags",
 }
 
 
