@@ -1,9 +1,10 @@
 """The audit trail: who changed what, when and from where (models.AuditEvent), read by admins
 with `GET /audit`.
 
-Recorded: run creation, resume, pause and cancel; job creation; token creation, revocation and
-rotation. An event is written in the transaction of the change it records, so a change that
-rolls back (a 409, a crash) leaves no event, and a committed change always has one:
+Recorded: run creation, resume, pause, cancel and update (name, tags, note); job creation;
+token creation, revocation and rotation. An event is written in the transaction of the change
+it records, so a change that rolls back (a 409, a crash) leaves no event, and a committed
+change always has one:
 
 - Token changes (service.tokens) add their event themselves (`record`).
 - Run and job changes are made by functions that know nothing of auditing and commit when they
@@ -30,6 +31,7 @@ ACTIONS = (
     "run.resume",
     "run.pause",
     "run.cancel",
+    "run.update",
     "job.create",
     "token.create",
     "token.revoke",

@@ -27,13 +27,14 @@ from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.fleet import LiveCapacity, largest_live_worker
 from service.lifecycle import AttemptStatus, RunStatus, add_attempt, budget_use, recovery_seconds
-from service.models import Attempt, Checkpoint, Run, new_run_id, utcnow
+from service.models import Attempt, Checkpoint, Run, RunTag, new_run_id, utcnow
 from service.schemas import (
     AttemptPublic,
     CheckpointSummary,
     InitialCheckpointIn,
     RunCreate,
     RunPublic,
+    RunUpdate,
 )
 from service.workflow import get_workflow, outside_roots, parse_workflow, save_workflow
 
@@ -316,6 +317,12 @@ class RunsCursor(NamedTuple):
         return parsed
 
 
+def _like_pattern(text: str) -> str:
+    """`text` as a LIKE pattern matching it anywhere, its own % and _ taken literally."""
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
 def list_runs(
     *,
     session: Session,
@@ -323,20 +330,29 @@ def list_runs(
     status: RunStatus | None,
     after: RunsCursor | None = None,
     owner_id: str | None = None,
+    tags: list[str] | None = None,
+    name: str | None = None,
 ) -> tuple[list[Run], int, RunsCursor | None]:
     """A page of runs, newest first (created_at descending, then id), starting after `after`;
-    the number of runs matching `status` (all pages); and the cursor of the next page, None
+    the number of runs matching the filters (all pages); and the cursor of the next page, None
     after the last. Paging is by key, so runs created meanwhile (newer than any page read)
     neither repeat nor shift a run into the next page. With `owner_id`, only that owner's runs
-    (pages and count)."""
+    (pages and count); with `status`, runs in it; with `tags`, runs carrying every one of
+    them; with `name`, runs whose name holds it, whatever the case."""
     query = select(Run)
     count = select(func.count()).select_from(Run)
+    conditions: list[Any] = []
     if owner_id is not None:
-        query = query.where(Run.owner_id == owner_id)
-        count = count.where(Run.owner_id == owner_id)
+        conditions.append(Run.owner_id == owner_id)
     if status is not None:
-        query = query.where(Run.status == status)
-        count = count.where(Run.status == status)
+        conditions.append(Run.status == status)
+    for tag in sorted(set(tags or [])):
+        conditions.append(Run.id.in_(select(RunTag.run_id).where(RunTag.tag == tag)))
+    if name:
+        conditions.append(Run.name.ilike(_like_pattern(name), escape="\\"))
+    if conditions:
+        query = query.where(*conditions)
+        count = count.where(*conditions)
     if after is not None:
         # The first condition alone is what an index range on created_at can start from.
         query = query.where(
@@ -364,6 +380,7 @@ def runs_public(
     ids = [run.id for run in runs]
     attempts: dict[str, list[Attempt]] = defaultdict(list)
     latest: dict[str, Checkpoint] = {}
+    tags = run_tags(session=session, run_ids=ids)
     if ids:
         for attempt in session.scalars(
             select(Attempt).where(Attempt.run_id.in_(ids)).order_by(Attempt.number)
@@ -399,9 +416,62 @@ def runs_public(
         if (reason := waiting_reason(attempt, capacity, queue=queue)) is not None
     }
     return [
-        _run_public(run, attempts[run.id], latest.get(run.id), now, waiting.get(run.id))
+        _run_public(
+            run, attempts[run.id], latest.get(run.id), now, waiting.get(run.id), tags[run.id]
+        )
         for run in runs
     ]
+
+
+def run_tags(*, session: Session, run_ids: list[str]) -> dict[str, list[str]]:
+    """Each run's tags, sorted, in one query (an empty list for a run without any)."""
+    found: dict[str, list[str]] = {run_id: [] for run_id in run_ids}
+    if run_ids:
+        rows = session.execute(
+            select(RunTag.run_id, RunTag.tag)
+            .where(RunTag.run_id.in_(run_ids))
+            .order_by(RunTag.run_id, RunTag.tag)
+        )
+        for run_id, tag in rows:
+            found[run_id].append(tag)
+    return found
+
+
+def update_run(*, session: Session, run_id: str, request: RunUpdate) -> Run:
+    """Set what `request` gives of the run's name, tags (the whole set) and note, and commit.
+    A field left out stays; a request that changes nothing writes nothing. Two updates that
+    race to add one tag: the second one's insert conflicts, and it is applied once more over
+    what the first one stored."""
+    try:
+        return _update_run(session=session, run_id=run_id, request=request)
+    except IntegrityError:
+        session.rollback()
+        return _update_run(session=session, run_id=run_id, request=request)
+
+
+def _update_run(*, session: Session, run_id: str, request: RunUpdate) -> Run:
+    run = get_run(session=session, run_id=run_id)
+    given = request.model_fields_set
+    if "name" in given and request.name is not None and request.name != run.name:
+        run.name = request.name
+    if "note" in given:
+        note = request.note or None
+        if note != run.note:
+            run.note = note
+    if "tags" in given:
+        wanted = set(request.tags or [])
+        have = {
+            row.tag: row for row in session.scalars(select(RunTag).where(RunTag.run_id == run.id))
+        }
+        for tag in sorted(set(have) - wanted):
+            session.delete(have[tag])
+        for tag in sorted(wanted - set(have)):
+            session.add(RunTag(run_id=run.id, tag=tag))
+        if set(have) != wanted:
+            # The run's view changed: its updated_at moves, and an open event stream sends it.
+            run.updated_at = utcnow()
+    session.commit()
+    return run
 
 
 def _devices(count: int) -> str:
@@ -442,6 +512,7 @@ def _run_public(
     latest: Checkpoint | None,
     now: datetime,
     waiting: str | None,
+    tags: list[str],
 ) -> RunPublic:
     run_plan = Plan.model_validate(run.plan)
     phase = (
@@ -453,6 +524,8 @@ def _run_public(
     return RunPublic(
         id=run.id,
         name=run.name,
+        tags=tags,
+        note=run.note,
         workflow_id=run.workflow_id,
         status=RunStatus(run.status),
         cause=run.cause,

@@ -5,14 +5,36 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic_core import PydanticCustomError
 
 from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
 from contracts.reports import Preparing
 from contracts.workflow import MAX_DEVICES, Plan
 from service.lifecycle import RunStatus
+from service.models import MAX_TAG
 
 MAX_RUNS_PAGE = 500
+# Tags per run, the characters of a note, and the runs one comparison takes.
+MAX_TAGS = 32
+MAX_NOTE = 10_000
+MAX_COMPARED = 8
+
+
+def check_tag(value: str) -> str:
+    """A tag is one word: no whitespace and no comma (a list of tags is written with commas,
+    in the CLI and the dashboard), at most MAX_TAG characters."""
+    if any(c.isspace() or c in ",\0" for c in value):
+        raise PydanticCustomError(
+            "invalid_tag",
+            "tag '{tag}' holds whitespace, a comma or a NUL; a tag is one word such as "
+            "'baseline' or 'lr-sweep'",
+            {"tag": value},
+        )
+    return value
+
+
+Tag = Annotated[str, Field(min_length=1, max_length=MAX_TAG), AfterValidator(check_tag)]
 
 
 class Status(BaseModel):
@@ -63,6 +85,17 @@ class RunCreate(BaseModel):
         if (self.workflow is None) == (self.workflow_id is None):
             raise ValueError('give exactly one of "workflow" (a document) or "workflow_id"')
         return self
+
+
+class RunUpdate(BaseModel):
+    """What PATCH /runs/{id} changes; an omitted field stays as it is. `tags` replaces the
+    run's set (duplicates once; `[]` removes every tag); `note` null or "" removes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL] | None = None
+    tags: Annotated[list[Tag], Field(max_length=MAX_TAGS)] | None = None
+    note: Annotated[str, Field(max_length=MAX_NOTE), NO_NUL] | None = None
 
 
 class RunResume(BaseModel):
@@ -130,6 +163,9 @@ class AttemptPublic(BaseModel):
 class RunPublic(BaseModel):
     id: str
     name: str
+    # Set with PATCH /runs/{id}: tags sorted, the note as written (None: none).
+    tags: list[str] = []
+    note: str | None = None
     workflow_id: str
     status: RunStatus
     cause: str | None
@@ -217,3 +253,83 @@ class WorkersPublic(BaseModel):
     workers: list[WorkerPublic]
     count: int  # workers ever heard from (all pages)
     live: int  # of which heard from within the lease period
+
+
+class ComparedPhase(BaseModel):
+    name: str
+    first_step: int
+    last_step: int
+
+
+class ComparedRun(BaseModel):
+    """A run of a comparison, in the order asked for."""
+
+    id: str
+    name: str
+    status: RunStatus
+    step: int
+    total_steps: int
+    signature: str
+    tags: list[str]
+    note: str | None
+    phases: list[ComparedPhase]
+    created_at: datetime
+    finished_at: datetime | None
+
+
+class EvalAt(BaseModel):
+    """One evaluation of one set: its step, cross-entropy and perplexity."""
+
+    step: int
+    cross_entropy: float | None
+    perplexity: float | None
+
+
+class ComparedEval(BaseModel):
+    """One run's results on one eval set: `baseline` (step 0), `final` (the highest step: the
+    latest while the run trains), `best` (lowest cross-entropy, the earliest on ties), and the
+    change in percent of its final and best perplexity against the first run's (None for the
+    first run, or when either has none) and of its final against its own baseline."""
+
+    run_id: str
+    baseline: EvalAt | None
+    final: EvalAt | None
+    best: EvalAt | None
+    final_vs_first: float | None
+    best_vs_first: float | None
+    final_vs_baseline: float | None
+
+
+class ComparedEvalSet(BaseModel):
+    """An eval set any of the runs has results for, with a row per run (in the runs' order;
+    every field None for a run without results on it)."""
+
+    name: str
+    task: str
+    runs: list[ComparedEval]
+
+
+class InputDifference(BaseModel):
+    """One signed input that differs between the runs, named as a refused resume names it
+    (contracts.signature.diff_components: `optimizer.adamw_lr`, `data["/d/a.jsonl"].sha256`),
+    with each run's value in the runs' order (None: the run has no such input)."""
+
+    field: str
+    values: list[Any]
+
+
+class InputDiff(BaseModel):
+    """What differs in the runs' inputs, from their stored signature components: `identical`
+    when nothing does (the runs trained on the same workflow, tokenizer, data and initial
+    weights), else each differing field against the first run."""
+
+    identical: bool
+    same_signature: bool
+    differences: list[InputDifference]
+    summary: str
+
+
+class RunComparison(BaseModel):
+    runs: list[ComparedRun]
+    evals: list[ComparedEvalSet]
+    inputs: InputDiff

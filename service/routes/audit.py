@@ -24,6 +24,7 @@ AuditAction = Literal[
     "run.resume",
     "run.pause",
     "run.cancel",
+    "run.update",
     "job.create",
     "token.create",
     "token.revoke",

@@ -1,15 +1,26 @@
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, BackgroundTasks, Body, Depends, Header, Query, Response, status
+from fastapi import (
+    APIRouter,
+    BackgroundTasks,
+    Body,
+    Depends,
+    Header,
+    Query,
+    Request,
+    Response,
+    status,
+)
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT
 from service import access, audit
 from service.checkpoint import CheckpointFilter, list_checkpoints
+from service.compare import compare_runs
 from service.control import cancel_run, pause_run
 from service.deps import (
     ApiTokenDep,
@@ -20,18 +31,22 @@ from service.deps import (
     SettingsDep,
     require_api,
 )
+from service.export import evals_csv, metrics_csv
 from service.lifecycle import RunStatus
-from service.models import Run
+from service.models import MAX_TAG, Run
 from service.resume import resume_run
-from service.run import RunsCursor, create_run, list_runs, run_public, runs_public
+from service.run import RunsCursor, create_run, list_runs, run_public, runs_public, update_run
 from service.schemas import (
+    MAX_COMPARED,
     MAX_RUNS_PAGE,
     CheckpointPublic,
     CheckpointsPublic,
+    RunComparison,
     RunCreate,
     RunPublic,
     RunResume,
     RunsPublic,
+    RunUpdate,
 )
 from service.series import eval_summary, metric_series_json
 from service.settings import ServiceSettings
@@ -49,6 +64,29 @@ MaxPoints = Annotated[
     int | None,
     Query(ge=1, le=MAX_COUNT, description="keep at most this many points per series"),
 ]
+Format = Annotated[
+    Literal["json", "csv"],
+    Query(description="`csv`: text/csv with the columns service.export documents"),
+]
+CSV_MEDIA_TYPE = "text/csv; charset=utf-8"
+MAX_TAG_FILTERS = 8
+CSV_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/csv": {"schema": {"type": "string"}}}}
+}
+
+
+def _query_error(field: str, message: str) -> RequestValidationError:
+    return RequestValidationError(
+        [{"loc": ("query", field), "msg": message, "type": "value_error"}]
+    )
+
+
+def _csv(body: Any, run_id: str, what: str) -> StreamingResponse:
+    return StreamingResponse(
+        body,
+        media_type=CSV_MEDIA_TYPE,
+        headers={"Content-Disposition": f'attachment; filename="{run_id}-{what}.csv"'},
+    )
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
@@ -96,22 +134,35 @@ def read_runs(
         str | None,
         Query(max_length=200, description="the `next_cursor` of the previous page"),
     ] = None,
+    tag: Annotated[
+        list[str] | None,
+        Query(description=f"runs carrying this tag; repeated (up to {MAX_TAG_FILTERS}): every one"),
+    ] = None,
+    name: Annotated[
+        str | None,
+        Query(max_length=200, description="runs whose name holds this text, whatever the case"),
+    ] = None,
 ) -> RunsPublic:
     """Newest first, a page of `limit`; `next_cursor` asks for the next page (null on the
-    last). `count` is the number of runs matching `status`, over all pages. A user token
-    sees only its own runs (service.access)."""
+    last; pass the same filters with it). `count` is the number of runs matching the filters
+    (`status`, `tag`, `name`), over all pages. A user token sees only its own runs
+    (service.access)."""
     try:
         after = None if cursor is None else RunsCursor.parse(cursor)
     except ValueError as err:
-        raise RequestValidationError(
-            [{"loc": ("query", "cursor"), "msg": str(err), "type": "value_error"}]
-        ) from err
+        raise _query_error("cursor", str(err)) from err
+    if tag is not None and (len(tag) > MAX_TAG_FILTERS or any(len(t) > MAX_TAG for t in tag)):
+        raise _query_error(
+            "tag", f"give at most {MAX_TAG_FILTERS} tags of at most {MAX_TAG} characters each"
+        )
     runs, count, following = list_runs(
         session=session,
         limit=limit,
         status=status,
         after=after,
         owner_id=access.owner_filter(token),
+        tags=tag,
+        name=name or None,
     )
     public = runs_public(
         session=session, runs=runs, lease_seconds=settings.lease_seconds, queue=settings.queue
@@ -121,9 +172,49 @@ def read_runs(
     )
 
 
+# Before GET /runs/{run_id}, which would otherwise take "compare" for a run id.
+@router.get("/compare")
+def compare(
+    session: SessionDep,
+    token: ApiTokenDep,
+    ids: Annotated[
+        str,
+        Query(
+            max_length=MAX_COMPARED * 40,
+            description=f"2 to {MAX_COMPARED} run ids, comma-separated; the first is the "
+            "reference the others' changes are measured against",
+        ),
+    ],
+) -> RunComparison:
+    """The runs' eval sets side by side (baseline, final and best per set and run, and each
+    run's change against the first) and every signed input that differs between them, field
+    by field with each run's value, as a refused resume names them. A run the token may not
+    see is 404 `run_not_found`, as everywhere."""
+    wanted = [part.strip() for part in ids.split(",") if part.strip()]
+    if len(wanted) < 2 or len(wanted) > MAX_COMPARED:
+        raise _query_error(
+            "ids", f"give 2 to {MAX_COMPARED} run ids separated by commas; got {len(wanted)}"
+        )
+    repeated = sorted({i for i in wanted if wanted.count(i) > 1})
+    if repeated:
+        raise _query_error("ids", f"names run(s) {', '.join(repeated)} more than once")
+    runs = [access.run_for(session, token, run_id) for run_id in wanted]
+    return compare_runs(session=session, runs=runs)
+
+
 @router.get("/{run_id}")
 def read_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic:
     return _public(session, settings, run)
+
+
+@router.patch("/{run_id}")
+def update(run: RunDep, body: RunUpdate, session: SessionDep, settings: SettingsDep) -> RunPublic:
+    """Set the run's `name`, `tags` (the whole set: `[]` removes every tag) and `note`
+    (null or "" removes it); a field left out stays. Nothing else of a run changes this way:
+    what it trains on is its signature's."""
+    fields = sorted(body.model_fields_set)
+    audit.expect(session, "run.update", run.id, {"fields": fields})
+    return _public(session, settings, update_run(session=session, run_id=run.id, request=body))
 
 
 @router.post("/{run_id}/resume")
@@ -180,15 +271,27 @@ def cancel(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic
     return _public(session, settings, cancel_run(session=session, run_id=run.id))
 
 
-@router.get("/{run_id}/metrics", response_class=JSONResponse)
+@router.get("/{run_id}/metrics", response_class=JSONResponse, responses=CSV_RESPONSE)
 def read_metrics(
     run: RunDep,
     session: SessionDep,
+    request: Request,
     names: Annotated[str | None, Query(description="comma-separated metric names")] = None,
     max_points: MaxPoints = None,
+    format: Format = "json",
 ) -> Response:
-    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null."""
+    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null. `format=csv`:
+    `run_id,name,step,value`, a row per point in (name, step) order, non-finite values empty;
+    every point unless `max_points` thins the series (read in pages, streamed)."""
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
+    if format == "csv":
+        body = metrics_csv(
+            sessions=request.app.state.session_factory,
+            run_id=run.id,
+            names=wanted,
+            max_points=max_points,
+        )
+        return _csv(body, run.id, "metrics")
     # The body as Postgres wrote it (service.series.metric_series_json): no point is parsed
     # or encoded in Python.
     return Response(
@@ -197,9 +300,15 @@ def read_metrics(
     )
 
 
-@router.get("/{run_id}/eval", response_class=JSONResponse)
-def read_eval(run: RunDep, session: SessionDep, max_points: MaxPoints = None) -> JSONResponse:
-    """Per task: baseline (step 0), latest, best (lowest cross-entropy) and history."""
+@router.get("/{run_id}/eval", response_class=JSONResponse, responses=CSV_RESPONSE)
+def read_eval(
+    run: RunDep, session: SessionDep, max_points: MaxPoints = None, format: Format = "json"
+) -> Response:
+    """Per task: baseline (step 0), latest, best (lowest cross-entropy) and history.
+    `format=csv`: `run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,
+    oversized_records`, a row per eval set and step (every one; `max_points` is for JSON)."""
+    if format == "csv":
+        return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
     return JSONResponse(eval_summary(session=session, run_id=run.id, max_points=max_points))
 
 
