@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, NoReturn
 
 import httpx
 
@@ -38,6 +40,31 @@ class ApiClient:
                 raise ApiError(
                     response.status_code, "not_json", f"{self._http.base_url} answered non-JSON"
                 ) from None
+        try:
+            error = response.json()["error"]
+            raise ApiError(response.status_code, error["code"], error["message"], error["details"])
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(response.status_code, "http_error", response.text[:500]) from None
+
+    def download(self, path: str, dest: Path, **kwargs: Any) -> None:
+        """GET `path` and write its body to `dest` as it streams in: into a temporary file
+        beside it, renamed over `dest` once whole (an error leaves `dest` as it was)."""
+        partial = dest.with_name(f".{dest.name}.partial")
+        try:
+            with self._http.stream("GET", path, **kwargs) as response:
+                if not response.is_success:
+                    response.read()
+                    self._raise(response)
+                with partial.open("wb") as out:
+                    for chunk in response.iter_bytes():
+                        out.write(chunk)
+            os.replace(partial, dest)
+        except httpx.TransportError as err:
+            raise ApiError(0, "unreachable", f"cannot reach {self._http.base_url}: {err}") from err
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def _raise(self, response: httpx.Response) -> NoReturn:
         try:
             error = response.json()["error"]
             raise ApiError(response.status_code, error["code"], error["message"], error["details"])

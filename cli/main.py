@@ -443,24 +443,48 @@ def runs_cancel(run_id: RunId, as_json: JsonOpt = False) -> None:
     _control(run_id, "cancel", as_json)
 
 
+class RunStatusOpt(StrEnum):
+    queued = "queued"
+    running = "running"
+    recovering = "recovering"
+    paused = "paused"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
 @runs_app.command("list")
 def runs_list(
     limit: Annotated[
         int, typer.Option(min=0, help="Show at most this many runs (0: every run).")
     ] = 50,
+    status: Annotated[RunStatusOpt | None, typer.Option(help="Only runs in this status.")] = None,
+    tag: Annotated[
+        list[str] | None,
+        typer.Option(help="Only runs carrying this tag (repeat: every one of them)."),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Only runs whose name holds this text (any case).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first, following the API's pages up to --limit."""
-    answer = call("GET", "/runs", params={"limit": min(limit or RUNS_PAGE, RUNS_PAGE)})
+    filters: dict[str, Any] = {"status": status.value if status else None, "tag": tag or None}
+    if name:
+        filters["name"] = name
+    filters = {k: v for k, v in filters.items() if v is not None}
+    answer = call("GET", "/runs", params={**filters, "limit": min(limit or RUNS_PAGE, RUNS_PAGE)})
     while answer["next_cursor"] and (limit == 0 or len(answer["runs"]) < limit):
         want = RUNS_PAGE if limit == 0 else min(limit - len(answer["runs"]), RUNS_PAGE)
-        page = call("GET", "/runs", params={"limit": want, "cursor": answer["next_cursor"]})
+        page = call(
+            "GET", "/runs", params={**filters, "limit": want, "cursor": answer["next_cursor"]}
+        )
         answer = {**page, "runs": answer["runs"] + page["runs"]}
     if as_json:
         print(json.dumps(answer, indent=2))
         return
     table = Table()
-    for column in ("id", "name", "status", "phase", "step", "restarts", "created"):
+    for column in ("id", "name", "status", "phase", "step", "restarts", "tags", "created"):
         table.add_column(column)
     for run in answer["runs"]:
         table.add_row(
@@ -470,11 +494,108 @@ def runs_list(
             run.get("phase") or "",
             f"{run['step']}/{run['total_steps']}",
             str(run.get("restarts", 0) + run.get("preemptions", 0)),
+            ", ".join(run.get("tags") or []),
             run["created_at"],
         )
     console.print(table)
     if answer["next_cursor"]:
         console.print(f"the {len(answer['runs'])} newest of {answer['count']}; --limit 0 lists all")
+
+
+@runs_app.command("update")
+def runs_update(
+    run_id: RunId,
+    name: Annotated[str | None, typer.Option(help="A new name for the run.")] = None,
+    tag: Annotated[
+        list[str] | None,
+        typer.Option(help="The run's tags (repeat for several; replaces the set)."),
+    ] = None,
+    clear_tags: Annotated[
+        bool, typer.Option("--clear-tags", help="Remove every tag of the run.")
+    ] = False,
+    note: Annotated[str | None, typer.Option(help='A note about the run ("" removes it).')] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Set a run's name, tags or note (PATCH /runs/{id}); what is not given stays."""
+    body: dict[str, Any] = {}
+    if name is not None:
+        body["name"] = name
+    if clear_tags:
+        body["tags"] = []
+    elif tag:
+        body["tags"] = tag
+    if note is not None:
+        body["note"] = note
+    if not body:
+        raise fail("give --name, --tag, --clear-tags or --note", EXIT_BAD_INPUT)
+    run = call("PATCH", f"/runs/{run_id}", json=body)
+    if as_json:
+        print(json.dumps(run, indent=2))
+        return
+    tags = ", ".join(run["tags"]) or "none"
+    console.print(f"run [bold]{run['id']}[/bold] {run['name']!r}: tags {tags}", markup=False)
+    if run.get("note"):
+        console.print(f"note: {run['note']}", markup=False)
+
+
+@runs_app.command("compare")
+def runs_compare(
+    run_ids: Annotated[
+        list[str],
+        typer.Argument(help="Two or more run ids; the first is the reference."),
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """Compare runs: per eval set each run's baseline, final and best perplexity and its
+    change against the first run, and every signed input that differs (workflow fields,
+    tokenizer, data files, initial checkpoint) with each run's value."""
+    from cli.compare import comparison_view
+
+    if len(run_ids) < 2:
+        raise fail("give two or more run ids to compare", EXIT_BAD_INPUT)
+    answer = call("GET", "/runs/compare", params={"ids": ",".join(run_ids)})
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return
+    console.print(comparison_view(answer), soft_wrap=True)
+
+
+@runs_app.command("export")
+def runs_export(
+    run_id: RunId,
+    directory: Annotated[
+        Path, typer.Argument(help="Folder to write metrics.csv and evals.csv into (made).")
+    ],
+    max_points: Annotated[
+        int | None,
+        typer.Option(min=1, help="Thin each metric series to this many points (default all)."),
+    ] = None,
+) -> None:
+    """Write the run's metrics and evaluations as CSV: DIR/metrics.csv
+    (run_id,name,step,value) and DIR/evals.csv (run_id,name,task,step,phase,cross_entropy,
+    perplexity,records,target_tokens,oversized_records); docs/operations.md has the columns."""
+    from cli.client import ApiError
+    from cli.common import client
+    from cli.compare import count_rows, export_paths
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise fail(f"cannot make {directory}: {err}", EXIT_BAD_INPUT) from err
+    paths = export_paths(directory)
+    params: dict[str, Any] = {"format": "csv"}
+    if max_points:
+        params["max_points"] = max_points
+    try:
+        with client() as api:
+            api.download(f"/runs/{run_id}/metrics", paths["metrics"], params=params)
+            api.download(f"/runs/{run_id}/eval", paths["evals"], params={"format": "csv"})
+    except ApiError as err:
+        raise fail(f"{err.message} [{err.code}]", EXIT_API) from err
+    except OSError as err:
+        raise fail(f"cannot write into {directory}: {err}", EXIT_BAD_INPUT) from err
+    for what, path in paths.items():
+        console.print(f"{what}: {path} ({count_rows(path)} rows)", markup=False)
 
 
 @runs_app.command("show")
@@ -493,6 +614,10 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
 
         console.print(preparing_text(run["preparing"]), markup=False)
     console.print(f"phase {run.get('phase')}  step {run['step']}/{run['total_steps']}")
+    if run.get("tags"):
+        console.print(f"tags: {', '.join(run['tags'])}", markup=False)
+    if run.get("note"):
+        console.print(f"note: {run['note']}", markup=False)
     ckpt = run.get("latest_checkpoint")
     console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")
     for a in run.get("attempts", []):
