@@ -68,9 +68,17 @@ export async function getJson(path, params = {}, { signal } = {}) {
   return response.json();
 }
 
-export async function postJson(path, body = undefined) {
+export function postJson(path, body = undefined) {
+  return sendJson("POST", path, body);
+}
+
+export function patchJson(path, body) {
+  return sendJson("PATCH", path, body);
+}
+
+async function sendJson(method, path, body) {
   const response = await fetch(path, {
-    method: "POST",
+    method,
     headers: headers({ Accept: "application/json", "Content-Type": "application/json" }),
     body: body === undefined ? undefined : JSON.stringify(body),
     cache: "no-store",

@@ -1,4 +1,5 @@
-// The dashboard: a runs table (#/) and a run page (#/runs/<id>) that follows the run's events.
+// The dashboard: a runs table (#/), a run page (#/runs/<id>) that follows the run's events, and
+// a comparison of runs (#/compare?ids=<a>,<b>,...) that keeps polling while one of them trains.
 // Data from the API is always inserted as text (textContent), never as markup.
 
 import {
@@ -7,15 +8,19 @@ import {
   forgetToken,
   getJson,
   getToken,
+  patchJson,
   postJson,
   setToken,
 } from "./api.js";
 import {
+  compareChart,
   destroyPlot,
   evalChart,
   formatNumber,
   lossChart,
   lrChart,
+  runColor,
+  setCompareData,
   setEvalData,
   setLossData,
   setLrData,
@@ -26,6 +31,16 @@ const METRICS = ["loss", "lr", "lr_muon"];
 const MAX_POINTS = 2000;
 const RUNS_REFRESH_MS = 5000;
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
+// A comparison reads each run's curves thinned to this many points, and again every
+// COMPARE_REFRESH_MS while one of its runs has not finished.
+const COMPARE_POINTS = 1000;
+const COMPARE_REFRESH_MS = 3000;
+const COMPARE_METRICS = ["loss", "lr"];
+
+// The runs table's filters and the runs ticked for a comparison (in the order ticked: the
+// first is the reference), kept while the page lives.
+const runsFilter = { status: "", tag: "", name: "" };
+const selected = new Set();
 
 const $ = (selector) => document.querySelector(selector);
 
@@ -57,7 +72,7 @@ function el(tag, attributes = {}, ...children) {
 }
 
 function show(view) {
-  for (const id of ["token-view", "runs-view", "run-view"]) $(`#${id}`).hidden = id !== view;
+  for (const id of ["token-view", "runs-view", "run-view", "compare-view"]) $(`#${id}`).hidden = id !== view;
   $("#forget-token").hidden = !getToken();
   const who = $("#whoami");
   who.textContent = me ? `${me.name} (${me.role})` : "";
@@ -159,7 +174,11 @@ function stopPage() {
   if (!page) return;
   page.abort.abort();
   for (const timer of page.timers) clearInterval(timer);
-  if (page.plots) {
+  if (page.plots && page.kind === "compare") {
+    destroyPlot(page.plots.loss);
+    destroyPlot(page.plots.lr);
+    for (const plot of Object.values(page.plots.evals)) destroyPlot(plot);
+  } else if (page.plots) {
     destroyPlot(page.plots.loss);
     destroyPlot(page.plots.lr);
     for (const plot of Object.values(page.plots.evals)) destroyPlot(plot);
@@ -190,7 +209,9 @@ async function route() {
     }
   }
   const match = location.hash.match(/^#\/runs\/([^/?#]+)$/);
+  const comparing = location.hash.match(/^#\/compare\?ids=([^&#]*)$/);
   if (match) openRun(decodeURIComponent(match[1]));
+  else if (comparing) openCompare(decodeURIComponent(comparing[1]).split(",").filter(Boolean));
   else openRuns();
 }
 
@@ -205,22 +226,113 @@ function openRuns() {
   show("runs-view");
   page = { kind: "runs", abort: new AbortController(), timers: [] };
   const current = page;
+  $("#filter-status").value = runsFilter.status;
+  $("#filter-tag").value = runsFilter.tag;
+  $("#filter-name").value = runsFilter.name;
+  renderSelection();
+  let reads = 0;
   const load = async () => {
+    // A read that a newer one (other filters) overtook is dropped when it answers.
+    const read = ++reads;
     try {
       const { signal } = current.abort;
+      const filters = {
+        limit: 100,
+        status: runsFilter.status || undefined,
+        tag: runsFilter.tag || undefined,
+        name: runsFilter.name || undefined,
+      };
       const [runs, workers] = await Promise.all([
-        getJson("/runs", { limit: 100 }, { signal }),
+        getJson("/runs", filters, { signal }),
         getJson("/workers", { limit: 100 }, { signal }),
       ]);
-      if (page !== current) return;
+      if (page !== current || read !== reads) return;
       renderRuns(runs);
       renderWorkers(workers);
     } catch (err) {
       if (page === current) handleError(err);
     }
   };
+  current.load = load;
   load();
   page.timers.push(setInterval(load, RUNS_REFRESH_MS));
+}
+
+function filtered() {
+  return Boolean(runsFilter.status || runsFilter.tag || runsFilter.name);
+}
+
+let filterTimer = null;
+
+function applyFilters() {
+  runsFilter.status = $("#filter-status").value;
+  runsFilter.tag = $("#filter-tag").value.trim();
+  runsFilter.name = $("#filter-name").value.trim();
+  clearTimeout(filterTimer);
+  // Typing reads the runs once it pauses, not at every key.
+  filterTimer = setTimeout(() => {
+    if (page && page.kind === "runs" && page.load) page.load();
+  }, 250);
+}
+
+$("#runs-filter").addEventListener("submit", (event) => {
+  event.preventDefault();
+  applyFilters();
+});
+for (const id of ["#filter-status", "#filter-tag", "#filter-name"]) {
+  $(id).addEventListener("input", applyFilters);
+}
+$("#filter-clear").addEventListener("click", () => {
+  $("#filter-status").value = "";
+  $("#filter-tag").value = "";
+  $("#filter-name").value = "";
+  applyFilters();
+});
+
+function renderSelection() {
+  const n = selected.size;
+  $("#selected-count").textContent = n ? `${n} selected` : "";
+  $("#compare-selected").disabled = n < 2;
+}
+
+$("#compare-selected").addEventListener("click", () => {
+  if (selected.size < 2) return;
+  location.hash = `#/compare?ids=${[...selected].map(encodeURIComponent).join(",")}`;
+});
+
+function selectBox(run) {
+  const box = el("input", {
+    type: "checkbox",
+    class: "select-run",
+    title: "Select for comparison",
+    "aria-label": `select ${run.name} for comparison`,
+    dataset: { runId: run.id },
+  });
+  box.checked = selected.has(run.id);
+  box.addEventListener("change", () => {
+    if (box.checked) selected.add(run.id);
+    else selected.delete(run.id);
+    renderSelection();
+  });
+  return box;
+}
+
+function tagChips(tags, { clickable = false } = {}) {
+  return el(
+    "span",
+    { class: "tags" },
+    ...tags.map((tag) => {
+      const chip = el(clickable ? "button" : "span", { class: "tag", type: clickable ? "button" : undefined, dataset: { tag } }, tag);
+      if (clickable) {
+        chip.title = `Show only runs tagged ${tag}`;
+        chip.addEventListener("click", () => {
+          $("#filter-tag").value = tag;
+          applyFilters();
+        });
+      }
+      return chip;
+    }),
+  );
 }
 
 function renderRuns({ runs, count }) {
@@ -233,8 +345,18 @@ function renderRuns({ runs, count }) {
         el(
           "td",
           {},
-          el("a", { href: `#/runs/${encodeURIComponent(run.id)}` }, run.name),
-          el("div", { class: "muted mono" }, run.id),
+          el(
+            "div",
+            { class: "run-cell" },
+            selectBox(run),
+            el(
+              "span",
+              { class: "run-name" },
+              el("a", { href: `#/runs/${encodeURIComponent(run.id)}` }, run.name),
+              el("div", { class: "muted mono" }, run.id),
+              run.tags && run.tags.length ? tagChips(run.tags, { clickable: true }) : null,
+            ),
+          ),
         ),
         el(
           "td",
@@ -259,7 +381,8 @@ function renderRuns({ runs, count }) {
     ),
   );
   $("#runs-table").hidden = runs.length === 0;
-  $("#runs-empty").hidden = runs.length !== 0;
+  $("#runs-empty").hidden = runs.length !== 0 || filtered();
+  $("#runs-none-match").hidden = runs.length !== 0 || !filtered();
   $("#runs-count").textContent = count > runs.length ? `${runs.length} newest of ${count}` : `${count}`;
 }
 
@@ -575,6 +698,7 @@ function renderRun(current) {
   renderControls(run);
   document.title = `${run.name} · trainctl`;
   $("#run-title").textContent = run.name;
+  renderMeta(run);
   const status = $("#run-status");
   status.className = `status status-${run.status}`;
   status.textContent = run.status;
@@ -727,6 +851,330 @@ function renderEvals(current) {
   $("#eval-table tbody").replaceChildren(...rows);
   $("#eval-table").hidden = names.length === 0;
   $("#eval-empty").hidden = names.length !== 0;
+}
+
+// --- a run's name, tags and note: shown on its page, editable by tokens that write ---------------
+
+function renderMeta(run) {
+  const tags = run.tags || [];
+  $("#run-tags").replaceChildren(...(tags.length ? [tagChips(tags)] : [el("span", { class: "muted" }, "no tags")]));
+  const note = $("#run-note");
+  note.textContent = run.note || "";
+  note.hidden = !run.note;
+  $("#edit-run").hidden = !(me && me.can_write) || !$("#run-edit").hidden;
+}
+
+function parseTags(text) {
+  return [...new Set(text.split(/[\s,]+/).filter(Boolean))];
+}
+
+$("#edit-run").addEventListener("click", () => {
+  const current = page;
+  if (!current || current.kind !== "run" || !current.run) return;
+  $("#edit-name").value = current.run.name;
+  $("#edit-tags").value = (current.run.tags || []).join(", ");
+  $("#edit-note").value = current.run.note || "";
+  $("#run-edit").hidden = false;
+  $("#edit-run").hidden = true;
+  $("#edit-name").focus();
+});
+
+function closeEdit() {
+  $("#run-edit").hidden = true;
+  $("#edit-run").hidden = !(me && me.can_write);
+}
+
+$("#edit-cancel").addEventListener("click", closeEdit);
+
+$("#run-edit").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const current = page;
+  if (!current || current.kind !== "run" || !current.run) return;
+  const body = {
+    name: $("#edit-name").value.trim(),
+    tags: parseTags($("#edit-tags").value),
+    note: $("#edit-note").value.trim(),
+  };
+  const save = $("#run-edit button[type=submit]");
+  save.disabled = true;
+  try {
+    const run = await patchJson(`/runs/${encodeURIComponent(current.runId)}`, body);
+    clearMessage();
+    if (page !== current) return;
+    current.run = run;
+    closeEdit();
+    renderRun(current);
+  } catch (err) {
+    if (err instanceof ApiError) showMessage(`Saving the run: ${err.status} ${err.code}: ${err.message}`);
+    else handleError(err);
+  } finally {
+    save.disabled = false;
+  }
+});
+
+// --- comparing runs -------------------------------------------------------------------------------
+
+async function openCompare(ids) {
+  show("compare-view");
+  const current = {
+    kind: "compare",
+    ids,
+    abort: new AbortController(),
+    timers: [],
+    comparison: null,
+    series: {},
+    evalHistory: {},
+    plots: null,
+    refreshes: 0,
+    live: "connecting",
+  };
+  page = current;
+  window.trainctl.page = current;
+  setCompareLive("connecting");
+  $("#compare-runs").replaceChildren();
+  $("#compare-eval-charts").replaceChildren();
+  if (ids.length < 2) {
+    showMessage("Select two or more runs in the runs table to compare them.");
+    return;
+  }
+  const ok = await loadCompare(current, ids);
+  if (!ok || page !== current) return;
+  const runs = current.comparison.runs.map((run, i) => ({ name: run.name, color: runColor(i) }));
+  const boundaries = () =>
+    current.comparison
+      ? current.comparison.runs.flatMap((run, i) =>
+          run.phases.slice(1).map((phase) => ({ step: phase.first_step - 1, name: phase.name, color: runColor(i) })),
+        )
+      : [];
+  current.plots = {
+    loss: compareChart($("#compare-loss-chart"), { runs, yLabel: "loss", getBoundaries: boundaries }),
+    lr: compareChart($("#compare-lr-chart"), { runs, yLabel: "AdamW lr", getBoundaries: boundaries }),
+    evals: {},
+    boundaries,
+  };
+  renderCompare(current);
+  if (current.comparison.runs.some((run) => !FINISHED.has(run.status))) {
+    setCompareLive("live");
+    current.timers.push(setInterval(() => refreshCompare(current), COMPARE_REFRESH_MS));
+  } else {
+    setCompareLive("ended");
+  }
+}
+
+// Read the comparison, then the curves of `ids` (all runs at first, then those unfinished at
+// the previous read). The comparison is read first: a run it says finished had reported every
+// point before, so the curves read after it are its last.
+async function loadCompare(current, ids) {
+  const { signal } = current.abort;
+  const path = (id, what) => `/runs/${encodeURIComponent(id)}/${what}`;
+  try {
+    const comparison = await getJson("/runs/compare", { ids: current.ids.join(",") }, { signal });
+    const curves = await Promise.all(
+      ids.flatMap((id) => [
+        getJson(path(id, "metrics"), { names: COMPARE_METRICS.join(","), max_points: COMPARE_POINTS }, { signal }),
+        getJson(path(id, "eval"), { max_points: COMPARE_POINTS }, { signal }),
+      ]),
+    );
+    if (page !== current) return false;
+    current.comparison = comparison;
+    ids.forEach((id, i) => {
+      const metrics = curves[2 * i];
+      const evals = curves[2 * i + 1];
+      current.series[id] = Object.fromEntries(
+        COMPARE_METRICS.map((name) => [name, metrics[name] || { steps: [], values: [] }]),
+      );
+      current.evalHistory[id] = Object.fromEntries(
+        Object.entries(evals.tasks).map(([name, summary]) => [name, summary.history]),
+      );
+    });
+    return true;
+  } catch (err) {
+    if (page === current) {
+      handleError(err);
+      setCompareLive("stopped");
+    }
+    return false;
+  }
+}
+
+async function refreshCompare(current) {
+  if (page !== current || current.refreshing) return;
+  current.refreshing = true;
+  try {
+    const unfinished = current.comparison.runs.filter((run) => !FINISHED.has(run.status)).map((run) => run.id);
+    if (!(await loadCompare(current, unfinished)) || page !== current) return;
+    current.refreshes += 1;
+    renderCompare(current);
+    if (current.comparison.runs.every((run) => FINISHED.has(run.status))) {
+      for (const timer of current.timers) clearInterval(timer);
+      current.timers = [];
+      setCompareLive("ended");
+    }
+  } finally {
+    current.refreshing = false;
+  }
+}
+
+function setCompareLive(state) {
+  const badge = $("#compare-live");
+  const labels = {
+    connecting: "loading…",
+    live: `updating every ${COMPARE_REFRESH_MS / 1000} s`,
+    ended: "every run finished: no more updates",
+    stopped: "not updating",
+  };
+  badge.dataset.state = state;
+  badge.textContent = labels[state] || state;
+  if (page) page.live = state;
+}
+
+function swatch(i) {
+  const mark = el("span", { class: "swatch" });
+  mark.style.background = runColor(i);
+  return mark;
+}
+
+function renderCompare(current) {
+  const { comparison, plots } = current;
+  const { runs } = comparison;
+  document.title = `Compare ${runs.length} runs · trainctl`;
+  $("#compare-title").textContent = `Compare ${runs.length} runs`;
+  $("#compare-runs").replaceChildren(
+    ...runs.map((run, i) =>
+      el(
+        "li",
+        { dataset: { runId: run.id } },
+        swatch(i),
+        el("a", { href: `#/runs/${encodeURIComponent(run.id)}` }, run.name),
+        " ",
+        el("span", { class: "muted mono" }, run.id),
+        " ",
+        statusBadge(run.status),
+        " ",
+        el("span", { class: "muted" }, `step ${run.step} / ${run.total_steps}`),
+        i === 0 ? el("span", { class: "reference" }, "reference") : null,
+        run.tags.length ? tagChips(run.tags) : null,
+        run.note ? el("div", { class: "note muted" }, run.note) : null,
+      ),
+    ),
+  );
+  renderInputs(comparison);
+  setCompareData(plots.loss, runs.map((run) => current.series[run.id].loss));
+  setCompareData(plots.lr, runs.map((run) => current.series[run.id].lr));
+  renderCompareEvals(current);
+}
+
+function shown(value) {
+  if (value === null || value === undefined) return "(none)";
+  return typeof value === "string" ? value : JSON.stringify(value);
+}
+
+function renderInputs(comparison) {
+  const { inputs, runs } = comparison;
+  const identical = $("#compare-identical");
+  const table = $("#compare-inputs");
+  identical.hidden = !inputs.identical;
+  identical.textContent = inputs.identical ? `Identical inputs: ${inputs.summary.replace(/^identical inputs: /, "")}.` : "";
+  table.hidden = inputs.identical;
+  if (inputs.identical) return;
+  table.querySelector("thead").replaceChildren(
+    el("tr", {}, el("th", {}, "Field"), ...runs.map((run, i) => el("th", {}, swatch(i), run.name))),
+  );
+  table.querySelector("tbody").replaceChildren(
+    ...inputs.differences.map((d) =>
+      el(
+        "tr",
+        { dataset: { field: d.field } },
+        el("td", { class: "mono" }, d.field),
+        ...d.values.map((value, i) =>
+          el("td", { class: `mono value${i > 0 && shown(value) !== shown(d.values[0]) ? " differs" : ""}`, dataset: { run: runs[i].id } }, shown(value)),
+        ),
+      ),
+    ),
+  );
+}
+
+function perplexityAt(point) {
+  return point && point.perplexity !== null ? `${formatNumber(point.perplexity)} @ ${point.step}` : "–";
+}
+
+function renderCompareEvals(current) {
+  const { comparison, plots } = current;
+  const { runs, evals } = comparison;
+  const table = $("#compare-evals");
+  table.querySelector("thead").replaceChildren(
+    el(
+      "tr",
+      {},
+      el("th", { rowspan: 2 }, "Eval set"),
+      el("th", { rowspan: 2 }, "Task"),
+      ...runs.map((run, i) => el("th", { colspan: 4, class: "run-head" }, swatch(i), run.name)),
+    ),
+    el(
+      "tr",
+      {},
+      ...runs.flatMap((run, i) => [
+        el("th", { class: "num" }, "Baseline"),
+        el("th", { class: "num" }, "Final"),
+        el("th", { class: "num" }, "Best"),
+        el("th", { class: "num" }, i === 0 ? "vs baseline" : "vs first"),
+      ]),
+    ),
+  );
+  table.querySelector("tbody").replaceChildren(
+    ...evals.map((set) =>
+      el(
+        "tr",
+        { dataset: { set: set.name, task: set.task } },
+        el("td", {}, set.name),
+        el("td", {}, set.task),
+        ...set.runs.flatMap((row, i) => [
+          el("td", { class: "num", dataset: { run: row.run_id, field: "baseline" } }, perplexityAt(row.baseline)),
+          el("td", { class: "num", dataset: { run: row.run_id, field: "final" } }, perplexityAt(row.final)),
+          el("td", { class: "num", dataset: { run: row.run_id, field: "best" } }, perplexityAt(row.best)),
+          withData(changeBadge("td", i === 0 ? row.final_vs_baseline : row.final_vs_first, "num"), { run: row.run_id, field: "change" }),
+        ]),
+      ),
+    ),
+  );
+  table.hidden = evals.length === 0;
+  $("#compare-evals-empty").hidden = evals.length !== 0;
+  for (const set of evals) {
+    let plot = plots.evals[set.name];
+    if (!plot) {
+      const holder = el("div", { class: "chart", id: `compare-eval-chart-${set.name}` });
+      const caption = el(
+        "figcaption",
+        { class: "eval-caption" },
+        el("strong", {}, set.name),
+        " ",
+        set.name === set.task ? "" : el("span", { class: "muted" }, `(${set.task})`),
+        " ",
+        el("span", { class: "muted" }, "perplexity by step, one line per run"),
+      );
+      $("#compare-eval-charts").append(el("figure", { class: "card chart-card", dataset: { set: set.name } }, caption, holder));
+      plot = compareChart(holder, {
+        runs: runs.map((run, i) => ({ name: run.name, color: runColor(i) })),
+        yLabel: "perplexity",
+        getBoundaries: plots.boundaries,
+        points: true,
+        title: set.name,
+      });
+      plots.evals[set.name] = plot;
+    }
+    setCompareData(
+      plot,
+      runs.map((run) => {
+        const history = (current.evalHistory[run.id] || {})[set.name] || [];
+        return { steps: history.map((p) => p.step), values: history.map((p) => p.perplexity) };
+      }),
+    );
+  }
+}
+
+function withData(node, data) {
+  Object.assign(node.dataset, data);
+  return node;
 }
 
 route();

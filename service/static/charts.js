@@ -196,3 +196,95 @@ export function setEvalData(plot, history, baseline, until) {
   const reference = baseline && Number.isFinite(baseline.perplexity) ? baseline.perplexity : null;
   plot.setData([steps, perplexity, steps.map(() => reference)]);
 }
+
+// --- comparison charts: one line per run ------------------------------------------------------
+
+// A run's colour in a comparison, by its position (the first run is the reference).
+export const RUN_COLORS = ["#1f4b99", "#c2410c", "#0f7b5f", "#7a3d9c", "#b42318", "#0e7490", "#a16207", "#4b5563"];
+
+export function runColor(index) {
+  return RUN_COLORS[index % RUN_COLORS.length];
+}
+
+function withAlpha(hex, alpha) {
+  const n = parseInt(hex.slice(1), 16);
+  return `rgba(${(n >> 16) & 255}, ${(n >> 8) & 255}, ${n & 255}, ${alpha})`;
+}
+
+// Each run's phase boundaries as dashed lines in the run's colour (`getBoundaries`:
+// [{step, name, color}]); a step several runs share is labelled once, with its phase's name.
+function runBoundaries(getBoundaries) {
+  return {
+    hooks: {
+      draw: [
+        (u) => {
+          const boundaries = getBoundaries();
+          if (!boundaries.length) return;
+          const { ctx } = u;
+          const { left, top, width, height } = u.bbox;
+          const ratio = uPlot.pxRatio;
+          const labelled = new Set();
+          ctx.save();
+          ctx.beginPath();
+          ctx.rect(left, top, width, height);
+          ctx.clip();
+          ctx.lineWidth = ratio;
+          ctx.setLineDash([5 * ratio, 4 * ratio]);
+          ctx.font = `${11 * ratio}px system-ui, sans-serif`;
+          ctx.textBaseline = "top";
+          ctx.textAlign = "left";
+          boundaries.forEach(({ step, name, color }, i) => {
+            const x = Math.round(u.valToPos(step, "x", true));
+            if (x < left || x > left + width) return;
+            ctx.strokeStyle = withAlpha(color, 0.6);
+            if (x > left) {
+              ctx.beginPath();
+              ctx.moveTo(x, top);
+              ctx.lineTo(x, top + height);
+              ctx.stroke();
+            }
+            if (labelled.has(step)) return;
+            labelled.add(step);
+            ctx.fillStyle = COLORS.boundary;
+            const label = fitText(ctx, name, 120 * ratio);
+            if (label) ctx.fillText(label, Math.max(x, left) + 4 * ratio, top + 4 * ratio + (i % 2) * 13 * ratio);
+          });
+          ctx.restore();
+        },
+      ],
+    },
+  };
+}
+
+// `runs`: [{name, color}], one line each, in order. `points`: dots at each value (evaluations).
+export function compareChart(element, { runs, yLabel, getBoundaries, points = false, title }) {
+  return makePlot(
+    element,
+    {
+      title,
+      plugins: [runBoundaries(getBoundaries)],
+      scales: { x: { time: false } },
+      axes: [
+        xAxis(),
+        { label: yLabel, labelSize: 18, size: 64, values: (u, ticks) => ticks.map((t) => formatNumber(t, 3)) },
+      ],
+      series: [
+        { label: "step" },
+        ...runs.map((run) => ({
+          label: run.name,
+          stroke: run.color,
+          width: 1.5,
+          spanGaps: true,
+          points: { show: points, size: 5 },
+          value: (u, v) => formatNumber(v),
+        })),
+      ],
+    },
+    [[], ...runs.map(() => [])],
+  );
+}
+
+// `series`: [{steps, values}] per run, in the chart's order; aligned on the union of steps.
+export function setCompareData(plot, series) {
+  plot.setData(align(series));
+}
