@@ -162,6 +162,12 @@ class Resources(_Strict):
     a run pre-empted on 8 devices may go on on 4 (`POST /runs/{id}/resume` `devices`)."""
 
     devices: int = Field(1, ge=1, le=MAX_DEVICES)
+    # "replicate": DDP, every rank holds the whole model and optimizer state. "fsdp": FSDP2
+    # (`fully_shard`, per transformer block), each rank holds 1/N of them, so a model that
+    # does not fit one device trains; checkpoints are gathered into the one-device form.
+    sharding: Literal["replicate", "fsdp"] = Field(
+        "replicate", exclude_if=lambda value: value == "replicate"
+    )
 
 
 class Phase(_Strict):
@@ -274,8 +280,10 @@ class Workflow(_Strict):
 
     def phase_devices(self, index: int) -> int:
         """The torch.distributed ranks phase `index` runs on, as the workflow asks."""
-        own = self.phases[index].resources
-        return (own or self.resources).devices
+        return self.phase_resources(index).devices
+
+    def phase_resources(self, index: int) -> Resources:
+        return self.phases[index].resources or self.resources
 
     def eval_sequence_length(self, spec: EvalSpec) -> int:
         """The sequence_length an eval task is computed at, the same at every step."""

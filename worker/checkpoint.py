@@ -155,15 +155,19 @@ def snapshot(
     state: CheckpointState,
     rng: dict[str, torch.Tensor],
     buffers: CpuBuffers,
+    whole: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
 ) -> Snapshot:
     """Copy the model's weights, the optimizer state and the RNG into `buffers`. The snapshot
-    shares the buffers: take the next one only after the previous snapshot is written."""
-    live = model.state_dict()
+    shares the buffers: take the next one only after the previous snapshot is written.
+    `whole`: (weights, optimizer state) gathered from the shards of a sharded model, taken
+    instead of the live ones (which hold this rank's shard only)."""
+    live = model.state_dict() if whole is None else whole[0]
     # The names `load_weights` requires: parameters (a tied weight once) and persistent buffers.
     names = [n for n, _ in model.named_parameters()]
     names += [n for n, _ in model.named_buffers() if n in live and n not in names]
     weights = {n: buffers.copy(("model", n), live[n]) for n in names}
-    optimizer = _copy_tree(optimizers.state_dict(), ("optimizer",), buffers)
+    optimizer_state = optimizers.state_dict() if whole is None else whole[1]
+    optimizer = _copy_tree(optimizer_state, ("optimizer",), buffers)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # CPU-GPU sync: the non-blocking copies must have landed
     return Snapshot(state=state, config=model.config, weights=weights, optimizer=optimizer, rng=rng)
@@ -300,12 +304,18 @@ class CheckpointWriter:
         optimizers: Optimizers,
         state: CheckpointState,
         rng: dict[str, torch.Tensor],
+        whole: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
     ) -> tuple[CheckpointState, Path] | None:
-        """Start saving `state.step`. Waits first for the save in flight (the buffers are
-        reused) and returns it when it finished meanwhile."""
+        """Start saving `state.step` (`whole`: as `snapshot`). Waits first for the save in
+        flight (the buffers are reused) and returns it when it finished meanwhile."""
         previous = self.wait()
         copy = snapshot(
-            model=model, optimizers=optimizers, state=state, rng=rng, buffers=self._buffers
+            model=model,
+            optimizers=optimizers,
+            state=state,
+            rng=rng,
+            buffers=self._buffers,
+            whole=whole,
         )
         future = self._executor.submit(
             write_temporary, directory=self._directory, snapshot=copy, tokenizer=self._tokenizer

@@ -32,15 +32,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from contracts.reports import Claim
+from contracts.workflow import Workflow
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class Ranks:
 
     rank: int = 0
     world: int = 1
+    sharding: Literal["replicate", "fsdp"] = "replicate"
     # Where this rank's collectives run: NCCL reduces CUDA tensors only.
     device: torch.device = _CPU
 
@@ -73,16 +76,32 @@ class Ranks:
     def main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank holds a shard of the model (FSDP2): every forward, evals
+        included, then runs on every rank, and a checkpoint is gathered from all."""
+        return self.world > 1 and self.sharding == "fsdp"
+
     def share(self, grad_accum: int) -> range:
         """The indices of a step's microbatches this rank computes."""
         return range(self.rank, grad_accum, self.world)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """What the forward and backward run through: DDP over more than one rank (its
-        gradients averaged over ranks at the last microbatch; `grad_scale` turns the average
-        into the sum), the model itself alone. Buffers are synced once, at the wrap, not at
-        every forward: every rank computes the same ones."""
+        """What the forward and backward run through: alone, the model itself; replicated,
+        DDP (gradients averaged over ranks at the last microbatch; `grad_scale` turns the
+        average into the sum; buffers synced once, at the wrap: every rank computes the same
+        ones); sharded, the model itself, each transformer block and then the whole sharded
+        in place by FSDP2's `fully_shard` (its parameters become DTensors: build the
+        optimizers after this)."""
         if self.world == 1:
+            return model
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for blocks in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+                for block in blocks:
+                    fully_shard(block)
+            fully_shard(model)
             return model
         return DistributedDataParallel(model, forward_sync_buffers=False)
 
@@ -97,6 +116,17 @@ class Ranks:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return [float(v) for v in tensor.tolist()]
+
+    def full(self, tree: Any) -> Any:
+        """`tree` (a state dict, nested) with every sharded tensor gathered whole, on every
+        rank (a collective per tensor, in the tree's order, which every rank shares)."""
+        if isinstance(tree, DTensor):
+            return tree.full_tensor()
+        if isinstance(tree, dict):
+            return {k: self.full(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [self.full(v) for v in tree]
+        return tree
 
     def seed(self, phase_seed: int) -> int:
         """This rank's seed of the phase's private random streams (dropout): the phase's own
@@ -145,6 +175,19 @@ class Ranks:
         box = [path]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def shard_like(value: Any, param: torch.Tensor) -> Any:
+    """`value` (optimizer state of `param`, whole) shaped as `param` is: distributed over the
+    same mesh and placements when `param` is a DTensor of its shape, as it is."""
+    if (
+        isinstance(param, DTensor)
+        and isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.shape == param.shape
+    ):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value
 
 
 def owned_devices(settings: WorkerSettings) -> tuple[Literal["cpu", "cuda"], list[int]]:
@@ -291,11 +334,13 @@ def _rank_main(claim_json: str, workdir: str) -> object:
     log.info("rank %d of %d (pid %d) joined on %s", rank, world, os.getpid(), device)
     try:
         claim = Claim.model_validate_json(claim_json)
+        workflow = Workflow.model_validate(claim.workflow)
+        sharding = workflow.phase_resources(claim.phase_index).sharding
         directory = Path(workdir)
         return run_rank(
             claim,
             settings=settings,
-            ranks=Ranks(rank=rank, world=world, device=device),
+            ranks=Ranks(rank=rank, world=world, device=device, sharding=sharding),
             device=device,
             stop_requested=(directory / PREEMPT).exists,
             reporting=lambda: (directory / REPORTING).touch(),

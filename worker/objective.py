@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from worker.data import IGNORE_INDEX, Batch
@@ -60,16 +61,20 @@ def backward_step(
     microbatch over the target tokens of the whole step, so a microbatch weighs by its target
     tokens (not a mean of microbatch means).
 
-    On many ranks (`model` a DistributedDataParallel) these are this rank's microbatches of the
-    step: `step_tokens` counts the target tokens of all ranks' and `grad_scale` (the rank
-    count) makes DDP's mean over ranks the sum."""
+    On many ranks (`model` a DistributedDataParallel, or sharded by FSDP2) these are this
+    rank's microbatches of the step: `step_tokens` counts the target tokens of all ranks' and
+    `grad_scale` (the rank count) makes the mean over ranks that DDP's all-reduce and FSDP2's
+    reduce-scatter take the sum. Either communicates once, at the last microbatch."""
     total = step_tokens if step_tokens is not None else sum(b.target_tokens for b in microbatches)
     if total == 0:
         raise ValueError("a training step without target tokens")
     loss = torch.zeros((), device=microbatches[0].input_ids.device)
     by_source: dict[int, tuple[torch.Tensor, int]] = {}
     for k, batch in enumerate(microbatches):
-        accumulate = isinstance(model, DistributedDataParallel) and k < len(microbatches) - 1
+        last = k == len(microbatches) - 1
+        accumulate = isinstance(model, DistributedDataParallel) and not last
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(last)  # reduce-scatter at the last microbatch
         # DDP all-reduces at the backward of the step's last microbatch only.
         with _no_sync(model) if accumulate else contextlib.nullcontext():
             nll, tokens = objective_loss(model, batch)

@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
@@ -36,7 +37,7 @@ from worker.checkpoint import (
     select_resume_checkpoint,
 )
 from worker.data import PhaseData, batch_for_step, load_phase_data
-from worker.distributed import Order, Ranks
+from worker.distributed import Order, Ranks, shard_like
 from worker.error import ConfigError, NonFiniteLoss
 from worker.evaluate import EvalData, evaluate_task, load_eval_data
 from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
@@ -122,10 +123,10 @@ class CheckpointKeeper:
         self.latest = latest  # the newest registered checkpoint of this phase
         self.pause_ordered = False  # a fencing check was answered "pause"
 
-    def save(self, step: int, *, tokens_seen: int, rng: dict[str, torch.Tensor]) -> None:
-        """Start saving the model after update `step` with the random streams `rng` (every
-        rank's: `Ranks.gather_random`), unless that save is already under way; the previous
-        save is registered first if it finished meanwhile."""
+    def save(self, step: int, *, tokens_seen: int, parts: SaveParts) -> None:
+        """Start saving the model after update `step` with `parts` (gathered from every rank:
+        `_parts`), unless that save is already under way; the previous save is registered
+        first if it finished meanwhile."""
         if self._writer.last_started == step:
             return
         state = CheckpointState(
@@ -142,7 +143,8 @@ class CheckpointKeeper:
             model=self._model,
             optimizers=self._optimizers,
             state=state,
-            rng=rng,
+            rng=parts.rng,
+            whole=parts.whole,
         )
         self._register(saved, done=step)
 
@@ -289,8 +291,10 @@ def train_phase(
         load_weights(model, resumed.path)
     elif claim.initial_checkpoint is not None:
         load_weights(model, claim.initial_checkpoint)
+    # What forward and backward run through; sharded, the model's own parameters become
+    # shards, so the optimizers are built over them after.
+    trained = ranks.wrap(model)
     optimizers = build_optimizers(model, workflow.optimizer)
-    trained = ranks.wrap(model)  # what forward and backward run through
     # A checkpoint inside this phase continues it: optimizer state and RNG. The previous
     # phase's final one supplies the weights, and its optimizer state when this phase carries
     # it; the RNG is then the phase's own seed, as at every phase start (an uninterrupted run
@@ -299,12 +303,14 @@ def train_phase(
     carried = resumed if inside is None and phase.optimizer_state == "carry" else None
     if inside is not None:
         optimizers.load_state_dict(inside.optimizer)
+        _shard_state(optimizers, ranks)
         if restore_rng:
             _restore_random(rng, ranks.own_random(inside.rng), inside.path)
         else:
             log.warning("not restoring the RNG (TRAINCTL_TEST_SKIP_RNG_RESTORE): inexact resume")
     elif carried is not None:
         optimizers.load_state_dict(carried.optimizer)
+        _shard_state(optimizers, ranks)
     start = inside.state.step if inside is not None else offset
     tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
     resumed_from = None
@@ -328,9 +334,11 @@ def train_phase(
             workflow=workflow,
             latest=resumed_from if inside is not None else None,
         )
+    # Rank 0 evaluates (and reports); sharded, every rank runs the forward with it.
+    evaluates = ranks.main or ranks.sharded
     done = start  # the last step whose update was made
     try:
-        if start == 0 and workflow.evals and ranks.main:
+        if start == 0 and workflow.evals and evaluates:
             baseline = list(range(len(workflow.evals)))
             reporter.evals(
                 run_evals(model, workflow, eval_data, reporter, step=0, due=baseline, phase=phase)
@@ -381,7 +389,7 @@ def train_phase(
 
             # --- gradient clipping, then the optimizer steps
             max_norm = workflow.optimizer.grad_clip or math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            grad_norm = _whole(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             sources = sorted(result.by_source)
             loss_value, norm_value, *source_nll = torch.stack(  # CPU-GPU sync
                 [result.loss, grad_norm, *(result.by_source[i][0] for i in sources)]
@@ -416,7 +424,7 @@ def train_phase(
                 },
             )
             # --- eval and checkpoint, as decided above
-            if due_evals and ranks.main:
+            if due_evals and evaluates:
                 reporter.evals(
                     run_evals(
                         model, workflow, eval_data, reporter, step=step, due=due_evals, phase=phase
@@ -424,11 +432,11 @@ def train_phase(
                 )
             order: Order = "go"
             # Every rank's random streams, gathered before anything on rank 0 may stop it.
-            streams = ranks.gather_random(rng.state_dict()) if checkpoint_due else None
+            parts = _parts(ranks, rng, model, optimizers) if checkpoint_due else None
             try:
                 keeper.collect(step)  # a background save that finished
-                if streams is not None:
-                    keeper.save(step, tokens_seen=tokens_seen, rng=streams)
+                if parts is not None:
+                    keeper.save(step, tokens_seen=tokens_seen, parts=parts)
                 # --- stop check: the service's orders, then a preemption notice
                 if step < last:
                     order = _order(reporter.check(step), keeper.pause_ordered, stop_requested())
@@ -440,8 +448,8 @@ def train_phase(
             if step == last:
                 break
             if order != "go":
-                streams = ranks.gather_random(rng.state_dict())
-                keeper.save(step, tokens_seen=tokens_seen, rng=streams)  # unless under way
+                parts = _parts(ranks, rng, model, optimizers)
+                keeper.save(step, tokens_seen=tokens_seen, parts=parts)  # unless under way
                 keeper.wait(step)
                 return PhaseOutcome(
                     status="preempted" if order == "preempt" else "paused",
@@ -479,7 +487,7 @@ class _NoCheckpoints:
     latest: CheckpointRef | None = None
     pause_ordered = False
 
-    def save(self, step: int, *, tokens_seen: int, rng: dict[str, torch.Tensor]) -> None:
+    def save(self, step: int, *, tokens_seen: int, parts: SaveParts) -> None:
         pass
 
     def collect(self, done: int) -> None:
@@ -490,6 +498,40 @@ class _NoCheckpoints:
 
     def close(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class SaveParts:
+    """What a checkpoint needs from every rank: their random streams, and (sharded) the
+    weights and optimizer state gathered whole; None: the live model's and optimizers'."""
+
+    rng: dict[str, torch.Tensor]
+    whole: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+
+
+def _parts(
+    ranks: Ranks, rng: PrivateRandom, model: PreTrainedModel, optimizers: Optimizers
+) -> SaveParts:
+    """Collectives: every rank calls this at the same step, before anything on rank 0 may
+    stop it."""
+    whole = None
+    if ranks.sharded:
+        whole = (ranks.full(model.state_dict()), ranks.full(optimizers.state_dict()))
+    return SaveParts(rng=ranks.gather_random(rng.state_dict()), whole=whole)
+
+
+def _shard_state(optimizers: Optimizers, ranks: Ranks) -> None:
+    """Sharded, optimizer state loaded whole from a checkpoint, shaped as its parameters."""
+    if not ranks.sharded:
+        return
+    for optimizer in (optimizers.muon, optimizers.adamw):
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                state[key] = shard_like(value, param)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _summed(result: StepLoss, ranks: Ranks, sources: int) -> StepLoss:
