@@ -25,6 +25,7 @@ from compare_support import (
     train,
 )
 from e2e_support import PRETRAIN_STEPS, SFT_STEPS, TOTAL_STEPS, live_stack
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -59,6 +60,17 @@ def sign_in(driver: WebDriver, url: str, token: str) -> None:
     wait_for(driver, "!document.querySelector('#runs-view').hidden", "the runs table shows")
 
 
+def click(driver: WebDriver, by: str, what: str) -> None:
+    """Find and click, again if the runs table was redrawn (every 5 s) in between."""
+    for _ in range(5):
+        try:
+            driver.find_element(by, what).click()
+            return
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{what} kept being redrawn before it could be clicked")
+
+
 def rows_shown(driver: WebDriver) -> list[str]:
     return list(
         driver.execute_script(
@@ -87,9 +99,7 @@ def test_compare_view_overlays_curves_tables_eval_sets_names_what_differs_and_fo
         compare = browser.find_element(By.ID, "compare-selected")
         assert not compare.is_enabled()
         for run_id in (first, second):
-            browser.find_element(
-                By.CSS_SELECTOR, f"#runs-table input.select-run[data-run-id='{run_id}']"
-            ).click()
+            click(browser, By.CSS_SELECTOR, f"#runs-table input.select-run[data-run-id='{run_id}']")
         assert browser.find_element(By.ID, "selected-count").text == "2 selected"
         assert compare.is_enabled()
         compare.click()
@@ -225,7 +235,7 @@ def test_tags_and_note_are_edited_on_the_run_page_and_filter_the_runs_table(
 
         sign_in(browser, live.url, live.admin_token)
         wait_for(browser, "document.querySelectorAll('#runs-table tbody tr').length === 2", "rows")
-        browser.find_element(By.LINK_TEXT, "baseline-lr").click()
+        click(browser, By.LINK_TEXT, "baseline-lr")
         wait_for(browser, "window.trainctl.page && window.trainctl.page.run !== null", "run page")
         assert browser.find_element(By.ID, "run-tags").text == "no tags"
         browser.find_element(By.ID, "edit-run").click()
@@ -281,9 +291,11 @@ def test_tags_and_note_are_edited_on_the_run_page_and_filter_the_runs_table(
         # A tag chip in the table filters by it.
         browser.find_element(By.ID, "filter-clear").click()
         wait_for(browser, "document.querySelectorAll('#runs-table tbody tr').length === 2", "rows")
-        browser.find_element(
-            By.CSS_SELECTOR, f"#runs-table tr[data-run-id='{second}'] .tag[data-tag='lr-sweep']"
-        ).click()
+        click(
+            browser,
+            By.CSS_SELECTOR,
+            f"#runs-table tr[data-run-id='{second}'] .tag[data-tag='lr-sweep']",
+        )
         wait_for(
             browser, "document.querySelector('#filter-tag').value === 'lr-sweep'", "tag filter"
         )
