@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
+from service import series
 from service.models import EvalResult, MetricPoint
 from service.series import json_float, metric_columns
 
@@ -111,17 +112,7 @@ def metrics_csv(
 def evals_csv(*, session: Session, run_id: str) -> str:
     """The CSV of the run's evaluations (which are few: read at once)."""
     rows = session.execute(
-        select(
-            EvalResult.name,
-            EvalResult.task,
-            EvalResult.step,
-            EvalResult.phase,
-            EvalResult.cross_entropy,
-            EvalResult.perplexity,
-            EvalResult.records,
-            EvalResult.target_tokens,
-            EvalResult.oversized_records,
-        )
+        select(*series.EVAL_COLUMNS)
         .where(EvalResult.run_id == run_id)
         .order_by(EvalResult.name, EvalResult.step)
     ).all()
