@@ -409,12 +409,13 @@ def read_state(path: Path) -> CheckpointState:
 
 
 def load_checkpoint(
-    path: str | Path, progress: Callable[[], None] | None = None
+    path: str | Path, progress: Callable[[], None] | None = None, *, verify: bool = True
 ) -> LoadedCheckpoint:
     """Verify (`progress`: as verify_checkpoint), then read the state, optimizer and RNG parts
-    of the checkpoint at `path`."""
+    of the checkpoint at `path`. `verify=False`: another process (rank 0) verified it."""
     path = Path(path)
-    verify_checkpoint(path, progress)
+    if verify:
+        verify_checkpoint(path, progress)
     return LoadedCheckpoint(
         path=path,
         state=read_state(path),

@@ -275,7 +275,8 @@ def train_phase(
     rng = PrivateRandom(ranks.seed(phase_seed(workflow.seed, phase_index)), device)
     # Each quarantine is reported as it happens, before a failure to find any usable
     # checkpoint propagates: the service must never hand it out again.
-    # Rank 0 chooses (and quarantines what fails verification); every rank loads its choice.
+    # Rank 0 chooses (and quarantines what fails verification); every rank loads its choice,
+    # hashed once, by rank 0.
     resumed = None
     if ranks.main:
         resumed = select_resume_checkpoint(
@@ -286,7 +287,7 @@ def train_phase(
         )
     chosen = ranks.main_path(str(resumed.path) if resumed is not None else None)
     if not ranks.main and chosen is not None:
-        resumed = load_checkpoint(chosen)
+        resumed = load_checkpoint(chosen, verify=False)
     if resumed is not None:
         load_weights(model, resumed.path)
     elif claim.initial_checkpoint is not None:
