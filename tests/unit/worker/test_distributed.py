@@ -124,6 +124,22 @@ def mid(result: dict[str, Any], step: int) -> CheckpointRef:
     return CheckpointRef.model_validate(next(c for c in result["checkpoints"] if c["step"] == step))
 
 
+def assert_within_float_order(
+    actual: torch.Tensor, expected: torch.Tensor, lr: float, name: str
+) -> None:
+    """Weights trained on another device count, against one device's. Muon orthogonalises each
+    update in bfloat16, where a last-bit difference of a float32 gradient can round a bf16
+    element the other way: measured here after 6 steps, hidden weights differ by up to ~0.06
+    of one update (lr per element; 1.1e-3 at lr 0.02) and by ~0.005 of one on average, the
+    others by ~1e-5. A step that trained half the batch, or twice it, would be out by whole
+    updates. So: no element further than a quarter of one update, and on average under a
+    fiftieth (the largest difference depends on the CPU's kernels; one machine's 1.1e-3 failed
+    a bound of 1e-3)."""
+    difference = (actual - expected).abs()
+    assert float(difference.max()) <= lr / 4, (name, float(difference.max()))
+    assert float(difference.mean()) <= lr / 50, (name, float(difference.mean()))
+
+
 def test_two_ranks_train_what_one_device_trains_and_resume_on_either_count(
     make_workflow: Callable[..., Workflow],
     make_claim: Callable[..., Claim],
@@ -153,16 +169,14 @@ def test_two_ranks_train_what_one_device_trains_and_resume_on_either_count(
     two = on_ranks(make_claim(workflow, artifact_dir=tmp_path / "two"), 2, tmp_path / "two.json")
 
     # The same global batch: losses agree to float-reduction order, step by step. Weights move
-    # further apart: Muon orthogonalises each update in bfloat16, where a last-bit difference
-    # of a float32 gradient can round a bf16 element the other way (an update is ~lr = 0.02 an
-    # element; one of a step that trained half the batch, or twice it, would be far out).
+    # further apart (assert_within_float_order).
     assert sorted(two["losses"]) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert math.isclose(two["losses"][step], one["losses"][step], rel_tol=1e-5), step
     a, b = weights(one), weights(two)
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-2, atol=1e-3)
+        assert_within_float_order(b[name], a[name], workflow.optimizer.muon_lr, name)
     # Rank 0 alone evaluates and checkpoints: each once, as one device does.
     assert [c["step"] for c in two["checkpoints"]] == [3, 6]
     assert [e["step"] for e in two["evals"]] == [e["step"] for e in one["evals"]] == [0, 3, 6]
@@ -184,7 +198,7 @@ def test_two_ranks_train_what_one_device_trains_and_resume_on_either_count(
     assert all(math.isclose(fewer["losses"][s], two["losses"][s], rel_tol=1e-5) for s in (4, 5))
     d = weights(fewer)
     for name in b:
-        torch.testing.assert_close(d[name], b[name], rtol=1e-2, atol=1e-3)
+        assert_within_float_order(d[name], b[name], workflow.optimizer.muon_lr, name)
 
 
 def test_with_dropout_each_rank_draws_its_own_masks_and_a_resume_restores_every_rank_s(
