@@ -5,6 +5,8 @@ that each peak RSS is the process's own:
 
 - **baseline**: `tokenizers.Tokenizer.encode_batch` alone over the file's lines, in batches of
   the store's ENCODE_BATCH, with the same threads: the floor the store's build is held to;
+- **fast baseline**: the same with `encode_batch_fast` (no character offsets), the call the
+  store's encoder makes: what is left of the build's own work beside the tokenizer's;
 - **build**: `worker.store.ensure_store` writing the store (reading, parsing, encoding,
   measuring every record, writing the maps), with its peak RSS;
 - **start**: a phase start on the built store: the digest check of the data file
@@ -131,10 +133,11 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu_before = usage.ru_utime + usage.ru_stime
     out: dict[str, Any] = {}
-    if mode == "baseline":
+    if mode in ("baseline", "fast"):
         from worker.records import read_lines
         from worker.store import ENCODE_BATCH
 
+        encode = tokenizer.encode_batch if mode == "baseline" else tokenizer.encode_batch_fast
         lines = []
         tokens = 0
         for _, line in read_lines(path):
@@ -142,9 +145,9 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
             # Every string the store's encoder encodes: the text, or a pair's source and target.
             lines += [record["text"]] if text else [record["source"], record["target"]]
             if len(lines) >= ENCODE_BATCH:
-                tokens += sum(len(e.ids) for e in tokenizer.encode_batch(lines))
+                tokens += sum(len(e.ids) for e in encode(lines))
                 lines = []
-        tokens += sum(len(e.ids) for e in tokenizer.encode_batch(lines))
+        tokens += sum(len(e.ids) for e in encode(lines))
         out["tokens"] = tokens
     elif mode == "build":
         from worker.store import Stores
@@ -223,15 +226,18 @@ def measure(path: Path, objective: str, tmp: Path, *, old: bool, rounds: int) ->
     from elsewhere falls on both alike; the medians and the median of the rounds' ratios are
     kept, with CPU seconds (user + system, every thread), which load changes less."""
     root = tmp / f"tokens-{path.stem}"
-    baselines, builds = [], []
+    baselines, fasts, builds = [], [], []
     for _ in range(rounds):
         shutil.rmtree(root, ignore_errors=True)
         baselines.append(run_child("baseline", path, root, objective))
+        fasts.append(run_child("fast", path, root, objective))
         builds.append(run_child("build", path, root, objective))
     if not rounds:  # memory and start only: one build, no baseline
         builds.append(run_child("build", path, root, objective))
         baselines.append({"seconds": math.nan, "cpu_s": math.nan})
+        fasts.append({"seconds": math.nan, "cpu_s": math.nan})
     baseline = {k: statistics.median(b[k] for b in baselines) for k in ("seconds", "cpu_s")}
+    fast = {k: statistics.median(b[k] for b in fasts) for k in ("seconds", "cpu_s")}
     build = {
         k: statistics.median(b[k] for b in builds) for k in ("seconds", "cpu_s", "peak_rss_mb")
     }
@@ -239,6 +245,9 @@ def measure(path: Path, objective: str, tmp: Path, *, old: bool, rounds: int) ->
     ratio = statistics.median(
         b["seconds"] / d["seconds"] for b, d in zip(baselines, builds, strict=True)
     )  # nan without a baseline
+    fast_ratio = statistics.median(
+        f["seconds"] / d["seconds"] for f, d in zip(fasts, builds, strict=True)
+    )
     start = run_child("start", path, root, objective)
     inspect = run_child("inspect", path, root, objective)
     row = {
@@ -248,6 +257,8 @@ def measure(path: Path, objective: str, tmp: Path, *, old: bool, rounds: int) ->
         "build_s": build["seconds"],
         "ratio": ratio,
         "cpu_ratio": baseline["cpu_s"] / build["cpu_s"],
+        "fast_s": fast["seconds"],
+        "fast_ratio": fast_ratio,
         "build_rss_mb": build["peak_rss_mb"],
         "start_s": start["ready"],
         "start_rss_mb": start["peak_rss_mb"],
@@ -304,17 +315,17 @@ def main() -> None:
 
     print(
         "| corpus | file | tokens | encode_batch alone | store build | build / encode_batch "
-        "| same, CPU seconds "
+        "| same, CPU seconds | encode_batch_fast alone | build / encode_batch_fast "
         "| build peak RSS | phase start (store) | start peak RSS | inspection (store) "
         "| inspection peak RSS | phase start before | RSS before |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind, r in rows:
         old = f"{r['old_s']:.1f} s | {r['old_rss_mb'] / 1024:.2f} GB" if "old_s" in r else "— | —"
         print(
             f"| {kind} | {r['file_mb']:.0f} MB | {r['tokens'] / 1e6:.1f} M | "
             f"{r['baseline_s']:.1f} s | {r['build_s']:.1f} s | {r['ratio']:.2f}x | "
-            f"{r['cpu_ratio']:.2f}x | "
+            f"{r['cpu_ratio']:.2f}x | {r['fast_s']:.1f} s | {r['fast_ratio']:.2f}x | "
             f"{r['build_rss_mb']:.0f} MB | {r['start_s']:.2f} s | {r['start_rss_mb']:.0f} MB | "
             f"{r['inspect_s']:.2f} s | {r['inspect_rss_mb']:.0f} MB | {old} |"
         )

@@ -111,7 +111,11 @@ def tokenize(tokenizer: Tokenizer, records: Sequence[Record]) -> list[list[list[
     before = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = True
     try:
-        flat = tokenizer.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
+        # The same ids as encode_batch without the character offsets nothing here reads:
+        # ~15 % less tokenizer time (measured on short pairs, bench/data_store.py).
+        flat = tokenizer.encode_batch_fast(
+            [p for ps in pieces for p in ps], add_special_tokens=False
+        )
     finally:
         tokenizer.encode_special_tokens = before
     out, at = [], 0
