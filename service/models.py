@@ -280,13 +280,16 @@ class MetricPoint(Base):
         ),
     )
 
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    # No foreign keys: a trigger and a lookup per row were most of an ingest's cost (migration
+    # 0013). A batch is written only after its attempt was found and locked (service.lease.fence),
+    # and a trigger on `runs` deletes a run's points with it.
+    run_id: Mapped[str] = mapped_column(String(MAX_ID), primary_key=True)
     name: Mapped[str] = mapped_column(String(MAX_NAME), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True)
     # Non-finite points are refused per item (service.report.point_error); NULL is left only
     # in rows stored before that, when NaN and inf were kept as NULL.
     value: Mapped[float | None] = mapped_column(Float)
-    attempt_id: Mapped[str] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    attempt_id: Mapped[str] = mapped_column(String(MAX_ID))
 
 
 class EvalResult(Base):
