@@ -13,7 +13,6 @@ from pydantic import BaseModel
 
 from contracts.jobs import Job, JobOutcome
 from contracts.reports import (
-    MAX_POINTS_PER_BATCH,
     Accepted,
     CheckpointRegistered,
     CheckpointRemoval,
@@ -26,6 +25,7 @@ from contracts.reports import (
     HeartbeatAnswer,
     MetricBatch,
     MetricPoint,
+    metric_batches,
 )
 from worker.settings import WorkerSettings
 
@@ -127,15 +127,15 @@ class ServiceClient:
     def metrics(
         self, attempt_id: str, *, fencing_token: str, points: Sequence[MetricPoint]
     ) -> MetricsAnswer:
-        """Post any number of points, in requests of at most MAX_POINTS_PER_BATCH. The
+        """Post any number of points, in requests the service takes (`metric_batches`). The
         answer's error indexes are into `points`."""
-        accepted, errors = 0, []
-        for start in range(0, len(points), MAX_POINTS_PER_BATCH):
-            chunk = list(points[start : start + MAX_POINTS_PER_BATCH])
+        accepted, errors, start = 0, [], 0
+        for chunk in metric_batches(points):
             batch = MetricBatch(fencing_token=fencing_token, points=chunk)
             answer = self._post(f"/internal/attempts/{attempt_id}/metrics", batch, MetricsAnswer)
             accepted += answer.accepted
             errors += [ItemError(index=start + e.index, error=e.error) for e in answer.errors]
+            start += len(chunk)
         return MetricsAnswer(accepted=accepted, errors=errors)
 
     def evals(self, attempt_id: str, batch: EvalBatch) -> Accepted:

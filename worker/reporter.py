@@ -30,6 +30,7 @@ from contracts.reports import (
     MetricBatch,
     MetricPoint,
     RemovalStatus,
+    metric_batches,
 )
 from worker import metrics
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
@@ -258,8 +259,7 @@ class ServiceReporter:
         cannot take is spooled. True when all of it was delivered."""
         points, self._points = self._points, []
         batches: list[Report] = [
-            MetricBatch(fencing_token=self._token, points=points[i : i + MAX_POINTS_PER_BATCH])
-            for i in range(0, len(points), MAX_POINTS_PER_BATCH)
+            MetricBatch(fencing_token=self._token, points=chunk) for chunk in metric_batches(points)
         ]
         # Behind anything spooled, and straight to the spool while the keeper cannot reach the
         # service: the loop never waits out the client's retries for a report.

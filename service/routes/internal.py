@@ -1,11 +1,12 @@
 """The worker protocol (worker tokens only). Bodies and answers are contracts.reports models.
 
 Limits on what one request may carry (a worker splits larger reports):
-- points per metrics batch: contracts.reports.MAX_POINTS_PER_BATCH (1000); more is 422
+- points per metrics batch: contracts.reports.MAX_POINTS_PER_BATCH (5000); more is 422
   `invalid_request` naming `points`.
-- bytes per request body: MAX_BODY_BYTES (1 MiB); more is 413 `payload_too_large`, in the
-  error shape, before the body is parsed. 1000 points with names of ordinary length take
-  about 60 KiB, so the byte limit only stops a runaway client.
+- bytes per request body: contracts.reports.MAX_REPORT_BYTES (1 MiB); more is 413
+  `payload_too_large`, in the error shape, before the body is parsed. 5000 points with names
+  of ordinary length take about 300 KiB, and a worker cuts batches of longer names to fit
+  (`contracts.reports.metric_batches`), so the byte limit only stops a runaway client.
 A metrics batch answers per-item errors: a point that cannot be stored (empty or over-long
 name, negative step, NaN or infinite value) comes back as `{"index", "error"}` in `errors`
 while the others are stored; `accepted` counts the stored ones.
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.reports import (
+    MAX_REPORT_BYTES,
     Accepted,
     CheckpointRegistered,
     CheckpointRemoval,
@@ -49,7 +51,7 @@ from service.report import (
 from service.schemas import BatchAccepted, ItemErrorPublic
 
 PREFIX = "/internal/"
-MAX_BODY_BYTES = 1 << 20
+MAX_BODY_BYTES = MAX_REPORT_BYTES
 
 
 def _too_large(size: int | None, limit: int) -> str:

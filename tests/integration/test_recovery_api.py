@@ -26,6 +26,7 @@ from test_api import (
     submit,
 )
 
+from contracts.reports import MAX_POINTS_PER_BATCH
 from service.app import create_app
 from service.models import Attempt, utcnow
 from service.reaper import Reaper, reap_expired
@@ -273,7 +274,7 @@ def test_a_metrics_batch_answers_per_point_errors_and_stores_the_rest(
 def test_batch_limits_answer_in_the_error_shape(api: Api, tiny_workflow: WorkflowFactory) -> None:
     run = submit(api, {"workflow": tiny_workflow(phases=1)}).json()
     worker = claimed(api, run["id"])
-    too_many = worker.metrics([("loss", s, 1.0) for s in range(1001)])
+    too_many = worker.metrics([("loss", s, 1.0) for s in range(MAX_POINTS_PER_BATCH + 1)])
     error = assert_error(too_many, 422, "invalid_request")
     assert error["details"][0]["path"] == "points"
     huge = worker.metrics([("x" * 2000, s, 1.0) for s in range(600)])

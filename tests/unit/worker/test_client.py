@@ -6,7 +6,14 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from contracts.reports import ClaimRequest, Finish, Heartbeat, MetricPoint
+from contracts.reports import (
+    MAX_POINTS_PER_BATCH,
+    MAX_REPORT_BYTES,
+    ClaimRequest,
+    Finish,
+    Heartbeat,
+    MetricPoint,
+)
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 
 
@@ -126,18 +133,25 @@ def test_an_unreachable_service_fails_after_the_retries() -> None:
     assert len(calls) == 3
 
 
-def test_metrics_are_split_into_batches_of_at_most_1000_points() -> None:
+def test_metrics_are_split_into_batches_the_service_takes() -> None:
     sizes = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        assert len(request.content) <= MAX_REPORT_BYTES
         points = json.loads(request.content)["points"]
         sizes.append(len(points))
         return httpx.Response(200, json={"accepted": len(points)})
 
-    points = [MetricPoint(name="loss", step=i, value=1.0) for i in range(2500)]
+    n = 2 * MAX_POINTS_PER_BATCH + 500
+    points = [MetricPoint(name="loss", step=i, value=1.0) for i in range(n)]
     accepted = client_answering(handler).metrics("a1", fencing_token="secret", points=points)
-    assert sizes == [1000, 1000, 500]
-    assert accepted.accepted == 2500
+    assert sizes == [MAX_POINTS_PER_BATCH, MAX_POINTS_PER_BATCH, 500]
+    assert accepted.accepted == n
+    # Names of the longest stored size: cut by bytes, well before the point count.
+    sizes.clear()
+    long = [MetricPoint(name="ü" * 200, step=i, value=1.0) for i in range(n)]
+    assert client_answering(handler).metrics("a1", fencing_token="s", points=long).accepted == n
+    assert len(sizes) > 3 and sum(sizes) == n
 
 
 def test_metric_errors_are_answered_with_indexes_into_all_the_points() -> None:
