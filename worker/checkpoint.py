@@ -38,6 +38,7 @@ from worker.error import CheckpointError, SignatureMismatch
 from worker.files import fsync_dir, fsync_file
 from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
 from worker.optim import Optimizers
+from worker.shards import SHARDS_METADATA, ShardedSave, has_shards
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,24 @@ class CheckpointState:
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """A verified checkpoint's small parts; the weights are loaded into a live model with
-    `worker.model.load_weights(model, path)`."""
+    `worker.model.load_weights(model, path)`, or from its shards (worker.shards)."""
 
     path: Path
     state: CheckpointState
+    # `Optimizers.state_dict()`; of a sharded checkpoint, without the tensors in its shards.
     optimizer: dict[str, Any]
     rng: dict[str, torch.Tensor]  # `PrivateRandom.state_dict()`
+
+    @property
+    def sharded(self) -> bool:
+        """Written by a sharded phase: model and optimizer tensors in `shards/`."""
+        return has_shards(self.path)
+
+    @property
+    def whole_weights(self) -> bool:
+        """The model is in `model.safetensors` (always, but in a sharded phase's checkpoints
+        before its last step)."""
+        return (self.path / MODEL_WEIGHTS).is_file()
 
 
 def step_dir_name(step: int) -> str:
@@ -116,9 +129,12 @@ class Snapshot:
 
     state: CheckpointState
     config: Any  # the model's transformers config (not changed by training)
-    weights: dict[str, torch.Tensor]  # parameter and persistent buffer name -> CPU copy
+    # Parameter and persistent buffer name -> CPU copy; None: only in the shards.
+    weights: dict[str, torch.Tensor] | None
     optimizer: dict[str, Any]  # `Optimizers.state_dict()` with CPU copies of its tensors
     rng: dict[str, torch.Tensor]  # `PrivateRandom.state_dict()`
+    # A sharded phase's: every rank writes its shards into this save's directory.
+    sharded: ShardedSave | None = None
 
 
 class CpuBuffers:
@@ -155,40 +171,61 @@ def snapshot(
     state: CheckpointState,
     rng: dict[str, torch.Tensor],
     buffers: CpuBuffers,
-    whole: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
+    sharded: ShardedSave | None = None,
 ) -> Snapshot:
     """Copy the model's weights, the optimizer state and the RNG into `buffers`. The snapshot
     shares the buffers: take the next one only after the previous snapshot is written.
-    `whole`: (weights, optimizer state) gathered from the shards of a sharded model, taken
-    instead of the live ones (which hold this rank's shard only)."""
-    live = model.state_dict() if whole is None else whole[0]
-    # The names `load_weights` requires: parameters (a tied weight once) and persistent buffers.
-    names = [n for n, _ in model.named_parameters()]
-    names += [n for n, _ in model.named_buffers() if n in live and n not in names]
-    weights = {n: buffers.copy(("model", n), live[n]) for n in names}
-    optimizer_state = optimizers.state_dict() if whole is None else whole[1]
+    `sharded`: this rank's sharded save in flight (worker.shards), whose optimizer state and
+    weights (gathered whole, or None: only in the shards) are taken instead of the live ones,
+    which hold this rank's shard only."""
+    weights = None
+    live = model.state_dict() if sharded is None else sharded.weights
+    if live is not None:
+        # The names `load_weights` requires: parameters (a tied weight once) and persistent
+        # buffers.
+        names = [n for n, _ in model.named_parameters()]
+        names += [n for n, _ in model.named_buffers() if n in live and n not in names]
+        weights = {n: buffers.copy(("model", n), live[n]) for n in names}
+    optimizer_state = optimizers.state_dict() if sharded is None else sharded.optimizer
     optimizer = _copy_tree(optimizer_state, ("optimizer",), buffers)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # CPU-GPU sync: the non-blocking copies must have landed
-    return Snapshot(state=state, config=model.config, weights=weights, optimizer=optimizer, rng=rng)
+    return Snapshot(
+        state=state,
+        config=model.config,
+        weights=weights,
+        optimizer=optimizer,
+        rng=rng,
+        sharded=sharded,
+    )
+
+
+def temporary_name(step: int) -> str:
+    """A temporary step directory's name, unique per save: two processes may share a pid
+    (containers) and a directory (a zombie and the attempt that replaced it)."""
+    return f"{_TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> Path:
     """Write a complete checkpoint of `snapshot.state.step` into a fresh temporary directory
     under `directory` and return it: every file fsynced, the manifest last. Nothing outside that
     directory is touched, so a writer that lost its attempt meanwhile (a stop, a revived
-    zombie) harms no one; `publish_checkpoint` puts it in place once the writer is still owner."""
+    zombie) harms no one; `publish_checkpoint` puts it in place once the writer is still owner.
+    Sharded (`snapshot.sharded`), the directory is the one every rank writes its shards into,
+    and the manifest waits for them."""
     state = snapshot.state
     directory.mkdir(parents=True, exist_ok=True)
-    # Unique per save: two processes may share a pid (containers) and a directory (a zombie
-    # and the attempt that replaced it).
-    name = f"{_TMP_PREFIX}{step_dir_name(state.step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = directory / name
-    tmp.mkdir()
+    if snapshot.sharded is not None:
+        tmp = snapshot.sharded.directory
+        tmp.mkdir(exist_ok=True)  # DCP may have made it, for the shards
+    else:
+        tmp = directory / temporary_name(state.step)
+        tmp.mkdir()
 
     # The model as `save_pretrained` writes it: config.json and model.safetensors.
     snapshot.config.save_pretrained(tmp)
-    save_file(snapshot.weights, tmp / MODEL_WEIGHTS, metadata={"format": "pt"})
+    if snapshot.weights is not None:
+        save_file(snapshot.weights, tmp / MODEL_WEIGHTS, metadata={"format": "pt"})
     failpoint.hit("mid_checkpoint", state.step)
     PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
@@ -196,6 +233,9 @@ def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer
     torch.save(snapshot.optimizer, tmp / OPTIMIZER)
     torch.save(snapshot.rng, tmp / RNG)
     (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
+    if snapshot.sharded is not None:
+        # Done once every rank's shards and DCP's metadata are written and fsynced.
+        snapshot.sharded.written.result()
 
     parts = sorted(p for p in tmp.rglob("*") if p.is_file())
     for part in parts:
@@ -304,9 +344,9 @@ class CheckpointWriter:
         optimizers: Optimizers,
         state: CheckpointState,
         rng: dict[str, torch.Tensor],
-        whole: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
+        sharded: ShardedSave | None = None,
     ) -> tuple[CheckpointState, Path] | None:
-        """Start saving `state.step` (`whole`: as `snapshot`). Waits first for the save in
+        """Start saving `state.step` (`sharded`: as `snapshot`). Waits first for the save in
         flight (the buffers are reused) and returns it when it finished meanwhile."""
         previous = self.wait()
         copy = snapshot(
@@ -315,7 +355,7 @@ class CheckpointWriter:
             state=state,
             rng=rng,
             buffers=self._buffers,
-            whole=whole,
+            sharded=sharded,
         )
         future = self._executor.submit(
             write_temporary, directory=self._directory, snapshot=copy, tokenizer=self._tokenizer
@@ -360,7 +400,9 @@ def verify_checkpoint(path: Path, progress: Callable[[], None] | None = None) ->
         files = json.loads(manifest_path.read_text())["files"]
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {err}") from err
-    for name in (MODEL_CONFIG, MODEL_WEIGHTS, OPTIMIZER, RNG, STATE):
+    # The model is whole in MODEL_WEIGHTS, or in the shards of a sharded phase, or both.
+    weights = MODEL_WEIGHTS if SHARDS_METADATA not in files else SHARDS_METADATA
+    for name in (MODEL_CONFIG, weights, OPTIMIZER, RNG, STATE):
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {name}")
     for name, expected in files.items():

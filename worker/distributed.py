@@ -15,8 +15,9 @@ the whole model (DDP): rank r takes microbatches r, r+N, r+2N... of each step's 
 the step's loss is weighted over the target tokens of the whole global batch, and gradients
 are summed over ranks, so the optimizers see what one device would have seen, to
 float-reduction order. Each step ends with rank 0's order (go, pause, preempt, stop) broadcast
-to all. A checkpoint is rank 0's: replicated state written as one device writes it, so it loads
-on any number of ranks.
+to all. A checkpoint of replicated state is rank 0's, written as one device writes it; of a
+sharded phase (FSDP2), every rank writes its own shards with torch.distributed.checkpoint into
+the step directory rank 0 completes (worker.shards). Either loads on any number of ranks.
 """
 
 from __future__ import annotations
@@ -91,17 +92,20 @@ class Ranks:
         DDP (gradients averaged over ranks at the last microbatch; `grad_scale` turns the
         average into the sum; buffers synced once, at the wrap: every rank computes the same
         ones); sharded, the model itself, each transformer block and then the whole sharded
-        in place by FSDP2's `fully_shard` (its parameters become DTensors: build the
-        optimizers after this)."""
+        in place by FSDP2's `fully_shard` over this rank's device (its parameters become
+        DTensors: build the optimizers after this). A model in host memory is moved to the
+        device a block at a time as it is sharded."""
         if self.world == 1:
             return model
         if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            mesh = init_device_mesh(self.device.type, (self.world,))
             for blocks in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
                 for block in blocks:
-                    fully_shard(block)
-            fully_shard(model)
+                    fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             return model
         return DistributedDataParallel(model, forward_sync_buffers=False)
 
@@ -116,17 +120,6 @@ class Ranks:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return [float(v) for v in tensor.tolist()]
-
-    def full(self, tree: Any) -> Any:
-        """`tree` (a state dict, nested) with every sharded tensor gathered whole, on every
-        rank (a collective per tensor, in the tree's order, which every rank shares)."""
-        if isinstance(tree, DTensor):
-            return tree.full_tensor()
-        if isinstance(tree, dict):
-            return {k: self.full(v) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [self.full(v) for v in tree]
-        return tree
 
     def seed(self, phase_seed: int) -> int:
         """This rank's seed of the phase's private random streams (dropout): the phase's own

@@ -12,9 +12,9 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from worker.checkpoint import (
     remove_stale_temporaries,
     select_expired,
     select_resume_checkpoint,
+    temporary_name,
 )
 from worker.data import PhaseData, batch_for_step, load_phase_data
 from worker.distributed import Order, Ranks, shard_like
@@ -46,9 +47,12 @@ from worker.optim import Optimizers, build_optimizers
 from worker.reporter import Reporter
 from worker.rng import PrivateRandom
 from worker.schedule import lr_multiplier
+from worker.shards import ShardedSave, ShardWriter, read_shards
 from worker.store import Stores, artifact_root, store_root
 
 log = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ class CheckpointKeeper:
             optimizers=self._optimizers,
             state=state,
             rng=parts.rng,
-            whole=parts.whole,
+            sharded=parts.sharded,
         )
         self._register(saved, done=step)
 
@@ -269,10 +273,14 @@ def train_phase(
     reporter.progress()
 
     # Restore order: model, weights, optimizer groups derived by name from the live model,
-    # optimizer state, then the phase's private random streams.
-    model = build_model(workflow, device)
+    # optimizer state, then the phase's private random streams. Sharded, the model is built
+    # in host memory and each block moved to the device as it is sharded: no device holds
+    # the whole model.
+    model = build_model(workflow, _CPU if ranks.sharded else device)
     _check_vocabulary(model, tokenizer, workflow.tokenizer)
     rng = PrivateRandom(ranks.seed(phase_seed(workflow.seed, phase_index)), device)
+    # Every rank's part of a sharded checkpoint (a collective: its process group).
+    shards = ShardWriter(rank=ranks.rank, device=device) if ranks.sharded else None
     # Each quarantine is reported as it happens, before a failure to find any usable
     # checkpoint propagates: the service must never hand it out again.
     # Rank 0 chooses (and quarantines what fails verification); every rank loads its choice,
@@ -288,9 +296,9 @@ def train_phase(
     chosen = ranks.main_path(str(resumed.path) if resumed is not None else None)
     if not ranks.main and chosen is not None:
         resumed = load_checkpoint(chosen, verify=False)
-    if resumed is not None:
+    if resumed is not None and resumed.whole_weights:
         load_weights(model, resumed.path)
-    elif claim.initial_checkpoint is not None:
+    elif resumed is None and claim.initial_checkpoint is not None:
         load_weights(model, claim.initial_checkpoint)
     # What forward and backward run through; sharded, the model's own parameters become
     # shards, so the optimizers are built over them after.
@@ -302,6 +310,20 @@ def train_phase(
     # starts each phase from that checkpoint in a fresh attempt too, so both stay exact).
     inside = resumed if resumed is not None and resumed.state.phase_index == phase_index else None
     carried = resumed if inside is None and phase.optimizer_state == "carry" else None
+    if resumed is not None and resumed.sharded:
+        # Weights not whole in it, and optimizer state, from the shards: each rank reads the
+        # parts of them its own tensors cover, whatever count of ranks wrote them.
+        loaded = read_shards(
+            resumed.path,
+            model=model,
+            optimizer=resumed.optimizer if resumed in (inside, carried) else None,
+            group=shards.group if shards is not None else None,
+            weights=not resumed.whole_weights,
+        )
+        if loaded is not None:
+            resumed = replace(resumed, optimizer=loaded)
+            inside = resumed if inside is not None else None
+            carried = resumed if carried is not None else None
     if inside is not None:
         optimizers.load_state_dict(inside.optimizer)
         _shard_state(optimizers, ranks)
@@ -433,7 +455,11 @@ def train_phase(
                 )
             order: Order = "go"
             # Every rank's random streams, gathered before anything on rank 0 may stop it.
-            parts = _parts(ranks, rng, model, optimizers) if checkpoint_due else None
+            parts = None
+            if checkpoint_due:
+                parts = _parts(
+                    ranks, rng, model, optimizers, shards, step=step, last=last, directory=directory
+                )
             try:
                 keeper.collect(step)  # a background save that finished
                 if parts is not None:
@@ -449,7 +475,9 @@ def train_phase(
             if step == last:
                 break
             if order != "go":
-                parts = _parts(ranks, rng, model, optimizers)
+                parts = _parts(
+                    ranks, rng, model, optimizers, shards, step=step, last=last, directory=directory
+                )
                 keeper.save(step, tokens_seen=tokens_seen, parts=parts)  # unless under way
                 keeper.wait(step)
                 return PhaseOutcome(
@@ -469,7 +497,11 @@ def train_phase(
     finally:
         # After a failure or a stop: a save in flight finishes its temporary directory, which
         # is never put in place or registered.
-        keeper.close()
+        try:
+            keeper.close()
+        finally:
+            if shards is not None:
+                shards.close()  # this rank's shards on disk before the process may end
 
 
 def _order(action: str, pause_ordered: bool, preempted: bool) -> Order:
@@ -503,22 +535,37 @@ class _NoCheckpoints:
 
 @dataclass(frozen=True)
 class SaveParts:
-    """What a checkpoint needs from every rank: their random streams, and (sharded) the
-    weights and optimizer state gathered whole; None: the live model's and optimizers'."""
+    """What a checkpoint needs from every rank: their random streams, and (sharded) each
+    rank's shards, being written (worker.shards); None: the live model's and optimizers'."""
 
     rng: dict[str, torch.Tensor]
-    whole: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+    sharded: ShardedSave | None = None
 
 
 def _parts(
-    ranks: Ranks, rng: PrivateRandom, model: PreTrainedModel, optimizers: Optimizers
+    ranks: Ranks,
+    rng: PrivateRandom,
+    model: PreTrainedModel,
+    optimizers: Optimizers,
+    shards: ShardWriter | None,
+    *,
+    step: int,
+    last: int,
+    directory: Path,
 ) -> SaveParts:
     """Collectives: every rank calls this at the same step, before anything on rank 0 may
-    stop it."""
-    whole = None
-    if ranks.sharded:
-        whole = (ranks.full(model.state_dict()), ranks.full(optimizers.state_dict()))
-    return SaveParts(rng=ranks.gather_random(rng.state_dict()), whole=whole)
+    stop it. Sharded, every rank starts writing its shards of `step` (and at the phase's
+    `last` step, the model is gathered whole for rank 0's `model.safetensors`)."""
+    sharded = None
+    if shards is not None:
+        sharded = shards.start(
+            step,
+            temporary=directory / temporary_name(step),
+            model=model,
+            optimizers=optimizers,
+            whole=step == last,
+        )
+    return SaveParts(rng=ranks.gather_random(rng.state_dict()), sharded=sharded)
 
 
 def _shard_state(optimizers: Optimizers, ranks: Ranks) -> None:

@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.workflow import Workflow
-from worker.checkpoint import MODEL_WEIGHTS, RNG
+from worker.checkpoint import MANIFEST, MODEL_WEIGHTS, RNG
 from worker.distributed import Ranks, free_port
 from worker.reporter import SilentReporter
+from worker.shards import SHARDS, SHARDS_METADATA
 from worker.trainer import train_phase
 
 CPU = torch.device("cpu")
@@ -244,9 +246,10 @@ def test_a_sharded_phase_trains_what_one_device_trains_and_its_checkpoints_load_
     make_pairs_file: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
-    """FSDP2: each rank holds half of every block's parameters and optimizer state; the
-    checkpoint is gathered into the one-device form (save_pretrained-loadable), so it resumes
-    on one process as on two."""
+    """FSDP2: each rank holds half of every block's parameters and optimizer state, and writes
+    its own shards of them into the step directory (torch.distributed.checkpoint); the phase's
+    final checkpoint also holds the model whole (save_pretrained-loadable). Every checkpoint
+    resumes on one process as on two, and one device's on two sharded ranks."""
     workflow = make_workflow(
         [
             {
@@ -270,9 +273,23 @@ def test_a_sharded_phase_trains_what_one_device_trains_and_its_checkpoints_load_
     assert [e["step"] for e in two["evals"]] == [0, 3, 6]
     for a, b in zip(one["evals"], two["evals"], strict=True):
         assert math.isclose(a["cross_entropy"], b["cross_entropy"], rel_tol=5e-5)
-    # The gathered checkpoint is what one device writes: plain tensors, the whole model.
+    # Inside the phase, the model and the optimizers' sharded state are in one shard file per
+    # rank, listed by the manifest (written last); at its end, the model is whole too, loadable
+    # by plain transformers.
+    inside, final = Path(mid(two, 3).path), Path(two["final"])
+    assert sorted(p.name for p in (inside / SHARDS).iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert not (inside / MODEL_WEIGHTS).exists()
+    listed = json.loads((inside / MANIFEST).read_text())["files"]
+    assert {f"{SHARDS}/__0_0.distcp", f"{SHARDS}/__1_0.distcp", SHARDS_METADATA} <= set(listed)
+    assert (final / SHARDS_METADATA).is_file() and (final / MODEL_WEIGHTS).is_file()
     a, b = weights(one), weights(two)
     assert {n: t.shape for n, t in a.items()} == {n: t.shape for n, t in b.items()}
+    loaded = AutoModelForCausalLM.from_pretrained(final, local_files_only=True)
+    assert torch.equal(loaded.state_dict()["lm_head.weight"], b["lm_head.weight"])
 
     again = on_ranks(
         make_claim(workflow, artifact_dir=tmp_path / "again", resume_from=mid(two, 3)),
@@ -283,5 +300,13 @@ def test_a_sharded_phase_trains_what_one_device_trains_and_its_checkpoints_load_
     c = weights(again)
     assert all(torch.equal(c[name], b[name]) for name in b)
 
+    # Resharded: two ranks' shards read whole by one process, and one device's whole
+    # checkpoint sharded over two ranks.
     fewer = alone(make_claim(workflow, artifact_dir=tmp_path / "fewer", resume_from=mid(two, 3)))
     assert all(math.isclose(fewer["losses"][s], two["losses"][s], rel_tol=5e-5) for s in (4, 5))
+    more = on_ranks(
+        make_claim(workflow, artifact_dir=tmp_path / "more", resume_from=mid(one, 3)),
+        2,
+        tmp_path / "more.json",
+    )
+    assert all(math.isclose(more["losses"][s], one["losses"][s], rel_tol=5e-5) for s in (4, 5))

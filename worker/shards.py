@@ -1,0 +1,223 @@
+"""Sharded checkpoints: each rank writes its own shards with torch.distributed.checkpoint.
+
+A sharded phase (FSDP2, `"sharding": "fsdp"`) holds every parameter and its optimizer state as
+DTensors whose shards live on different ranks. Gathering them whole at each checkpoint would
+need the whole model in one host's memory and a collective per tensor while training waits.
+Instead, at a checkpoint step every rank stages its own shards into CPU memory (the loop waits
+for that copy only) and DCP (`torch.distributed.checkpoint.async_save`) writes them from a
+background thread into `<step directory>/shards/`: one file per rank and DCP's `.metadata`,
+coordinated over a gloo group of the checkpoint's own, so that its collectives never interleave
+with training's. Rank 0 writes the rest of the step directory as one device does (config,
+tokenizer, the optimizers' hyperparameters and unsharded state in `optimizer.pt`, every rank's
+RNG, `state.json`), waits for the shards, and only then writes the manifest, every shard file
+hashed: a step directory is complete only when every rank's part is (worker.checkpoint).
+
+The phase's final checkpoint also holds the model gathered whole, tensor by tensor into rank
+0's CPU memory, as `model.safetensors`: it loads with plain transformers, and the next phase
+starts from it.
+
+Reading reshards: DCP reads, for each rank, the parts of the saved shards that its own tensors
+cover, whatever the number of ranks that wrote them; one process without a process group reads
+every tensor whole. Only tensors go through DCP (nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from worker.error import CheckpointError
+from worker.optim import Optimizers
+
+SHARDS = "shards"
+SHARDS_METADATA = f"{SHARDS}/.metadata"
+_MODEL = "model/"
+_OPTIMIZER = "optimizer/"
+
+
+@dataclass(frozen=True)
+class ShardedSave:
+    """One rank's part of a sharded checkpoint in flight, as rank 0's checkpoint writer needs
+    it (worker.checkpoint)."""
+
+    directory: Path  # the temporary step directory every rank writes its shards into
+    written: Future[Any]  # this rank's DCP save; on rank 0 done once every rank's shards are
+    optimizer: dict[str, Any]  # Optimizers.state_dict() less its DTensors (in the shards)
+    weights: dict[str, torch.Tensor] | None  # the model gathered whole (the phase's last step)
+
+
+def has_shards(path: Path) -> bool:
+    return (path / SHARDS_METADATA).is_file()
+
+
+def split_state(
+    model: nn.Module, optimizers: Optimizers
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(what DCP writes: the model's state and every DTensor of the optimizers' state, by flat
+    key; the optimizers' state without those DTensors, for `optimizer.pt`)."""
+    tensors = {f"{_MODEL}{name}": t for name, t in model.state_dict().items()}
+    rest: dict[str, Any] = {}
+    for key, part in optimizers.state_dict().items():
+        state: dict[str, dict[str, Any]] = {}
+        for name, values in part["state"].items():
+            state[name] = {}
+            for field, value in values.items():
+                if isinstance(value, DTensor):
+                    tensors[_optimizer_key(key, name, field)] = value
+                else:
+                    state[name][field] = value
+        rest[key] = {**part, "state": state}
+    return tensors, rest
+
+
+def _optimizer_key(optimizer: str, name: str, field: str) -> str:
+    return f"{_OPTIMIZER}{optimizer}/{name}/{field}"
+
+
+class ShardWriter:
+    """A rank's side of sharded checkpoints. `start` is a collective: every rank calls it at
+    the same step. Creating one is a collective too (its process group)."""
+
+    def __init__(self, *, rank: int, device: torch.device) -> None:
+        self._rank = rank
+        # DCP's own collectives run in its writer thread: never on training's group.
+        self._group = dist.new_group(backend="gloo")
+        cuda = device.type == "cuda"
+        # Staging buffers are kept from one save to the next (pinned on CUDA, so the copies
+        # off the device are DMA); a save starts only once the previous one is on disk.
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+        )
+        self._pending: Future[Any] | None = None
+        self._last: tuple[int, ShardedSave] | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._group
+
+    def start(
+        self,
+        step: int,
+        *,
+        temporary: Path,
+        model: nn.Module,
+        optimizers: Optimizers,
+        whole: bool,
+    ) -> ShardedSave:
+        """Stage this rank's shards of `step` and write them in the background into rank 0's
+        `temporary` step directory (the same save again when `step` is already under way).
+        `whole`: gather the model whole too, on rank 0."""
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
+        self.wait()
+        chosen = [str(temporary)]
+        dist.broadcast_object_list(chosen, src=0, group=self._group)
+        temporary = Path(chosen[0])
+        tensors, rest = split_state(model, optimizers)
+        written = dcp.async_save(
+            tensors,
+            checkpoint_id=temporary / SHARDS,
+            process_group=self._group,
+            async_stager=self._stager,
+        )
+        if not isinstance(written, Future):  # an AsyncSaveResponse: staging in the background
+            raise CheckpointError(f"unexpected answer of DCP's async_save: {type(written)}")
+        self._pending = written
+        weights = None
+        if whole:
+            # One tensor at a time: gathered, moved to rank 0's CPU memory, freed on device.
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            gathered = get_model_state_dict(model, options=options)
+            weights = cast(dict[str, torch.Tensor], gathered) if self._rank == 0 else None
+        saved = ShardedSave(temporary, written, rest, weights)
+        self._last = (step, saved)
+        return saved
+
+    def wait(self) -> None:
+        """Block until this rank's save in flight is on disk (raising what it raised)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Let a save in flight finish (its directory is published, or not, by rank 0), then
+        free the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            self._stager.close()
+
+
+def read_shards(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: dict[str, Any] | None,
+    group: dist.ProcessGroup | None,
+    weights: bool,
+) -> dict[str, Any] | None:
+    """Read the sharded checkpoint at `path` into the live `model` (`weights`: its parameters
+    and buffers, in place) and, given `optimizer` (its `optimizer.pt`: the state without its
+    shards), that state completed with its saved tensors, shaped as the live parameters are
+    (DTensors sharded like them, or whole). A collective over `group` when one is given (every
+    rank reads at once), else one process reading everything."""
+    metadata = dcp.FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata
+    live = model.state_dict()
+    targets: dict[str, torch.Tensor] = {}
+    if weights:
+        stored = {k.removeprefix(_MODEL) for k in metadata if k.startswith(_MODEL)}
+        if stored != set(live):
+            missing, unexpected = sorted(set(live) - stored), sorted(stored - set(live))
+            raise CheckpointError(
+                f"checkpoint {path}: its shards do not fit the model: missing {missing[:5]} "
+                f"({len(missing)} in all), unexpected {unexpected[:5]} "
+                f"({len(unexpected)} in all)"
+            )
+        targets.update({f"{_MODEL}{name}": tensor for name, tensor in live.items()})
+    completed = None
+    if optimizer is not None:
+        params = dict(model.named_parameters())
+        completed = {
+            key: {**part, "state": {n: dict(s) for n, s in part["state"].items()}}
+            for key, part in optimizer.items()
+        }
+        for fqn, entry in metadata.items():
+            if not fqn.startswith(_OPTIMIZER) or not isinstance(entry, TensorStorageMetadata):
+                continue
+            key, rest = fqn.removeprefix(_OPTIMIZER).split("/", 1)
+            name, field = rest.rsplit("/", 1)
+            param = params.get(name)
+            dtype = entry.properties.dtype
+            if param is not None and tuple(param.shape) == tuple(entry.size):
+                target = torch.zeros_like(param, dtype=dtype, requires_grad=False)
+            else:
+                target = torch.zeros(tuple(entry.size), dtype=dtype)
+            targets[fqn] = target
+            completed[key]["state"].setdefault(name, {})[field] = target
+    with torch.no_grad(), warnings.catch_warnings():
+        # Said of every read without a process group, which is meant here.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(
+            targets,
+            checkpoint_id=str(path / SHARDS),
+            process_group=group,
+            no_dist=group is None,
+        )
+    return completed
