@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,25 @@ def final_state(run: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
     assert run["latest_checkpoint"]["step"] == run["total_steps"]
     optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     return load_file(checkpoint / "model.safetensors"), optimizer
+
+
+def shard_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint's `shards/` (torch.distributed.checkpoint), whole,
+    read as one process reads them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = str(checkpoint / "shards")
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    tensors = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in stored.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    return tensors
 
 
 def differences(a: Any, b: Any, where: str = "") -> list[str]:

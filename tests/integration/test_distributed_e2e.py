@@ -3,18 +3,28 @@ on Redis owning TRAINCTL_DEVICES=2): routed to the two-device queue, trained by 
 processes, a SIGKILL of one rank recovered from the latest checkpoint to a run bit-identical
 to an uninterrupted one, a SIGTERM to the worker's whole process group taken as a preemption
 notice (checkpoint, hand back, continue bit-identically), and a run paused on two ranks
-resumed on one."""
+resumed on one. Sharded (FSDP2), every rank's shards written with torch.distributed.checkpoint
+and read back after a SIGKILL, bit for bit."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from exact import assert_identical_runs, final_state, reference_run, series, workflow
+from exact import (
+    assert_identical_runs,
+    differences,
+    final_state,
+    reference_run,
+    series,
+    shard_tensors,
+    workflow,
+)
 from procs import Proc, Stack, processes, wait_for_run, wait_until
 
 pytestmark = pytest.mark.integration
@@ -29,10 +39,10 @@ WORKER_ENV = {
 STEPS = 24
 
 
-def two_rank_body() -> dict[str, Any]:
+def two_rank_body(sharding: str = "replicate") -> dict[str, Any]:
     doc = workflow("continued_pretrain", steps=STEPS)
     doc["phases"][0]["grad_accum"] = 2  # one microbatch a rank, the same global batch
-    doc["phases"][0]["resources"] = {"devices": 2}
+    doc["phases"][0]["resources"] = {"devices": 2, "sharding": sharding}
     return {"workflow": doc}
 
 
@@ -53,6 +63,57 @@ def step_of(api: httpx.Client, run_id: str) -> int:
     return step
 
 
+def killed_and_recovered(api: httpx.Client, worker: Proc, body: dict[str, Any]) -> dict[str, Any]:
+    """A run of `body` whose rank 1 is SIGKILLed after the step-4 checkpoint: the other rank
+    is ended, the attempt fails naming the rank, and the next attempt continues from that
+    checkpoint to the end."""
+    offset = len(worker.log.read_text(errors="replace")) if worker.log.exists() else 0
+    created = api.post("/runs", json=body)
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+    assert created.json()["attempts"][0]["devices"] == 2
+    victim = rank_pid(worker, 1, offset)
+    wait_until(lambda: step_of(api, run_id) >= 5, timeout=120, what="step 5")
+    os.kill(victim, signal.SIGKILL)
+    killed = wait_for_run(api, run_id, timeout=300, procs=[worker])
+    assert killed["status"] == "succeeded", killed
+    first, *_, last = killed["attempts"]
+    assert (first["status"], last["status"]) == ("failed", "succeeded"), killed["attempts"]
+    assert "rank 1 of 2 ended with signal SIGKILL" in (first["message"] or ""), first
+    return killed
+
+
+def test_a_sharded_phase_writes_its_shards_and_survives_a_killed_rank_bit_for_bit(
+    tmp_path: Any, postgres_url: str
+) -> None:
+    """FSDP2 over two ranks: every checkpoint inside the phase holds each rank's shards
+    (torch.distributed.checkpoint), the final one the model whole as well; a rank SIGKILLed
+    mid-phase, the next attempt reads the shards back and the run ends bit-identical to an
+    uninterrupted one, shards included."""
+    body = two_rank_body("fsdp")
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
+        with stack.api() as api:
+            worker = stack.worker(**WORKER_ENV)
+            killed = killed_and_recovered(api, worker, body)
+            reference = reference_run(api, body, worker)
+            assert_identical_runs(api, killed, reference)
+            final = Path(killed["latest_checkpoint"]["path"])
+            reference_final = Path(reference["latest_checkpoint"]["path"])
+            assert differences(shard_tensors(final), shard_tensors(reference_final)) == []
+            # keep_last 2: the final checkpoint and the one before it, shards only.
+            kept = api.get(f"/runs/{killed['id']}/checkpoints").json()["checkpoints"]
+            inside = [Path(c["path"]) for c in kept if c["step"] < STEPS]
+            assert inside, kept
+            for path in (*inside, final):
+                assert sorted(p.name for p in (path / "shards").iterdir()) == [
+                    ".metadata",
+                    "__0_0.distcp",
+                    "__1_0.distcp",
+                ]
+            assert not any((p / "model.safetensors").exists() for p in inside)
+
+
 def test_two_ranks_train_through_the_api_survive_a_killed_rank_and_resume_on_one(
     tmp_path: Any, postgres_url: str
 ) -> None:
@@ -62,21 +123,7 @@ def test_two_ranks_train_through_the_api_survive_a_killed_rank_and_resume_on_one
         with stack.api() as api:
             worker = stack.worker(**WORKER_ENV)
 
-            # A rank SIGKILLed after the step-4 checkpoint: the other is ended, the attempt
-            # fails naming the rank, and the next attempt continues from that checkpoint.
-            offset = len(worker.log.read_text(errors="replace")) if worker.log.exists() else 0
-            created = api.post("/runs", json=body)
-            assert created.status_code == 201, created.text
-            run_id = created.json()["id"]
-            assert created.json()["attempts"][0]["devices"] == 2
-            victim = rank_pid(worker, 1, offset)
-            wait_until(lambda: step_of(api, run_id) >= 5, timeout=120, what="step 5")
-            os.kill(victim, signal.SIGKILL)
-            killed = wait_for_run(api, run_id, timeout=300, procs=[worker])
-            assert killed["status"] == "succeeded", killed
-            first, *_, last = killed["attempts"]
-            assert (first["status"], last["status"]) == ("failed", "succeeded"), killed["attempts"]
-            assert "rank 1 of 2 ended with signal SIGKILL" in (first["message"] or ""), first
+            killed = killed_and_recovered(api, worker, body)
 
             # The same workflow uninterrupted on two ranks: bit for bit, every step's loss too.
             reference = reference_run(api, body, worker)
