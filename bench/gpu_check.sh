@@ -3,7 +3,8 @@
 #   1. the demo (`trainctl demo`: the embedded stack, SQLite, one worker) on cuda, bf16 autocast;
 #   2. the throughput bench at GPU size (bench/train_throughput.py --device cuda --size gpu:
 #      tokens/s and MFU of trainctl's loop and of a bare PyTorch loop, against the GPU's peak);
-#   3. when two GPUs are there, the demo with every phase on two ranks (NCCL, DDP);
+#   3. when two GPUs are there, the demo with every phase on two ranks (NCCL): replicated (DDP),
+#      then sharded (FSDP2, checkpoints written shard by shard);
 # and prints one summary. Logs go to $OUT (the device tool's folder) or a temporary directory.
 #
 #   bash bench/gpu_check.sh            # PYTHON=... to pick an interpreter with CUDA torch
@@ -43,24 +44,33 @@ read -r demo_rc demo_s < <(demo "$out/demo.log" env)
 bench_rc=$?
 
 two="skipped (one GPU)"
-if [ "$gpus" -ge 2 ]; then
-    WORKFLOW="$out/demo.two-ranks.json"
-    "$PY" - "$WORKFLOW" <<'EOF'
+sharded="skipped (one GPU)"
+two_ranks() {  # two_ranks SHARDING LOG: the demo with every phase on two ranks
+    WORKFLOW="$out/demo.$1.json"
+    "$PY" - "$WORKFLOW" "$1" <<'EOF'
 import json, sys
 from pathlib import Path
 from runtime.path import resolve_paths
 demo = Path("examples/workflows/demo.json")
 doc = resolve_paths(json.loads(demo.read_text()), demo.parent)
-doc["name"] = "demo-two-ranks"
-doc["resources"] = {"devices": 2}
+doc["name"] = f"demo-two-ranks-{sys.argv[2]}"
+doc["resources"] = {"devices": 2, "sharding": sys.argv[2]}
 for phase in doc["phases"]:  # a step's microbatches over both ranks: a multiple of 2
     phase["grad_accum"] = 2 * phase.get("grad_accum", 1)
 Path(sys.argv[1]).write_text(json.dumps(doc))
 EOF
     export WORKFLOW
-    read -r two_rc two_s < <(demo "$out/demo.two-ranks.log" env TRAINCTL_DEVICES=2)
+    local rc s
+    read -r rc s < <(demo "$out/$2" env TRAINCTL_DEVICES=2)
     unset WORKFLOW
-    two="exit $two_rc in ${two_s}s ($( [ "$two_rc" = 0 ] && echo 'loss fell, every task beat its baseline' || echo 'FAILED: see demo.two-ranks.log'))"
+    echo "exit $rc in ${s}s ($( [ "$rc" = 0 ] && echo 'loss fell, every task beat its baseline' || echo "FAILED: see $2"))"
+    return "$rc"
+}
+if [ "$gpus" -ge 2 ]; then
+    two=$(two_ranks replicate demo.two-ranks.log)
+    two_rc=$?
+    sharded=$(two_ranks fsdp demo.two-ranks-fsdp.log)
+    sharded_rc=$?
 fi
 
 echo
@@ -68,9 +78,10 @@ echo "## GPU check: $gpus x $name"
 echo
 echo "- demo on cuda (bf16): exit $demo_rc in ${demo_s}s" \
     "($( [ "$demo_rc" = 0 ] && echo 'loss fell, every task beat its baseline' || echo 'FAILED: see demo.log'))"
-echo "- two-rank demo (NCCL): $two"
+echo "- two-rank demo (NCCL, DDP): $two"
+echo "- two-rank demo (NCCL, FSDP2, sharded checkpoints): $sharded"
 echo "- throughput bench (exit $bench_rc):"
 echo
 sed 's/^/    /' "$out/throughput.md"
 tail -n 15 "$out/demo.log" >"$out/demo.tail" 2>/dev/null
-[ "$demo_rc" = 0 ] && [ "$bench_rc" = 0 ] && { [ "$gpus" -lt 2 ] || [ "${two_rc:-0}" = 0 ]; }
+[ "$demo_rc" = 0 ] && [ "$bench_rc" = 0 ] && { [ "$gpus" -lt 2 ] || { [ "${two_rc:-0}" = 0 ] && [ "${sharded_rc:-0}" = 0 ]; }; }
