@@ -94,6 +94,8 @@ def pinned_steps(*, session: Session, run_id: str) -> list[int]:
 
 WEIGHTS_FILE: Final = "model.safetensors"
 WEIGHTS_INDEX_FILE: Final = "model.safetensors.index.json"
+# Where a sharded phase's checkpoints hold their tensors (worker.shards).
+SHARDS_DIR: Final = "shards"
 CONFIG_FILE: Final = "config.json"
 # A header this long describes ~100k tensors; a longer one is refused before it is read.
 MAX_HEADER_BYTES: Final = 16 * 2**20
@@ -247,6 +249,11 @@ def checkpoint_shapes(path: Path) -> Shapes:
     if (path / WEIGHTS_INDEX_FILE).is_file():
         return _sharded_shapes(path)
     found = f" (it has {', '.join(pickles)}: pickled weights are never loaded)" if pickles else ""
+    if (path / SHARDS_DIR).is_dir():
+        found = (
+            f" (its weights are in {SHARDS_DIR}/: a sharded phase writes them whole only into "
+            "the phase's final checkpoint; start from that one)"
+        )
     raise NotACheckpoint(
         f"{path} holds no safetensors weights: neither {WEIGHTS_FILE} nor "
         f"{WEIGHTS_INDEX_FILE}{found}"
