@@ -316,7 +316,7 @@ def train_phase(
         loaded = read_shards(
             resumed.path,
             model=model,
-            optimizer=resumed.optimizer if resumed in (inside, carried) else None,
+            optimizer=resumed.optimizer if inside is not None or carried is not None else None,
             group=shards.group if shards is not None else None,
             weights=not resumed.whole_weights,
         )
