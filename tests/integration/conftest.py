@@ -63,6 +63,16 @@ def empty_postgres_url() -> Iterator[str]:
             )
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database of each kind in turn (no tables): a SQLite file, then a fresh
+    Postgres database (`empty_postgres_url`). For migrations, which must hold on both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'trainctl.db'}"
+    url: str = request.getfixturevalue("empty_postgres_url")
+    return url
+
+
 @pytest.fixture(scope="session")
 def postgres_admin_url() -> str:
     """The maintenance database's URL, for tests that act on their own database from outside."""

@@ -3,8 +3,6 @@ by its downgrade, whose old check would refuse them; other jobs stay, on both da
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
@@ -44,15 +42,8 @@ def rows(url: str, query: str) -> list[tuple[object, ...]]:
         engine.dispose()
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
-def test_preparation_jobs_exist_only_from_0007_on(
-    database: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    url = (
-        f"sqlite:///{tmp_path / 'trainctl.db'}"
-        if database == "sqlite"
-        else request.getfixturevalue("empty_postgres_url")
-    )
+def test_preparation_jobs_exist_only_from_0007_on(empty_database_url: str) -> None:
+    url = empty_database_url
     upgrade_database(url, "0006")
     with pytest.raises(IntegrityError, match="ck_jobs_kind"):
         add_job(url, "job_early", "preparation")

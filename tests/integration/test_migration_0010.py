@@ -4,7 +4,6 @@ user and viewer tokens (the old check refuses them), keeping the runs. On both d
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -92,15 +91,8 @@ def scalar(url: str, query: str) -> object:
         engine.dispose()
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
-def test_old_rows_have_no_owner_and_the_downgrade_keeps_them(
-    database: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    url = (
-        f"sqlite:///{tmp_path / 'trainctl.db'}"
-        if database == "sqlite"
-        else request.getfixturevalue("empty_postgres_url")
-    )
+def test_old_rows_have_no_owner_and_the_downgrade_keeps_them(empty_database_url: str) -> None:
+    url = empty_database_url
     upgrade_database(url, PREVIOUS)
     fill(url)
     upgrade_database(url, "0010")

@@ -4,8 +4,6 @@ on both databases."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from sqlalchemy import text
 
@@ -73,15 +71,10 @@ COUNTS = (
 )
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_rows_from_before_device_counts_run_on_one_device_and_survive_the_downgrade(
-    database: str, tmp_path: Path, request: pytest.FixtureRequest
+    empty_database_url: str,
 ) -> None:
-    url = (
-        f"sqlite:///{tmp_path / 'trainctl.db'}"
-        if database == "sqlite"
-        else request.getfixturevalue("empty_postgres_url")
-    )
+    url = empty_database_url
     upgrade_database(url, "0010")
     fill(url)
     upgrade_database(url, "0011")

@@ -3,8 +3,6 @@ and found; the downgrade drops both and keeps every run, on both databases."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from sqlalchemy import inspect, text
 
@@ -50,15 +48,8 @@ def tables(url: str) -> set[str]:
         engine.dispose()
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
-def test_runs_from_before_tags_have_none_and_survive_the_downgrade(
-    database: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    url = (
-        f"sqlite:///{tmp_path / 'trainctl.db'}"
-        if database == "sqlite"
-        else request.getfixturevalue("empty_postgres_url")
-    )
+def test_runs_from_before_tags_have_none_and_survive_the_downgrade(empty_database_url: str) -> None:
+    url = empty_database_url
     upgrade_database(url, "0011")
     execute(
         url,

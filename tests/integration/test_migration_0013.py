@@ -4,8 +4,6 @@ Every stored point survives the upgrade and the downgrade, on both databases."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from sqlalchemy import inspect, text
 
@@ -70,15 +68,10 @@ def add_run(run: str, attempt: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_points_keep_their_rows_lose_their_keys_and_go_with_their_run(
-    database: str, tmp_path: Path, request: pytest.FixtureRequest
+    empty_database_url: str,
 ) -> None:
-    url = (
-        f"sqlite:///{tmp_path / 'trainctl.db'}"
-        if database == "sqlite"
-        else request.getfixturevalue("empty_postgres_url")
-    )
+    url = empty_database_url
     upgrade_database(url, "0012")
     execute(
         url,

@@ -152,18 +152,11 @@ def eval_rows(url: str, *, named: bool) -> list[tuple[object, ...]]:
         engine.dispose()
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
-def test_upgrading_a_database_with_runs_keeps_every_row(
-    database: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_upgrading_a_database_with_runs_keeps_every_row(empty_database_url: str) -> None:
     """0004 rebuilds the attempts table on SQLite; its rows and every row that references
     them (metrics, evals, checkpoints, outbox) must survive, there and back. 0005 keys evals
     by set name: an existing row keeps its data and is named after its task."""
-    url = (
-        f"sqlite:///{tmp_path / 'trainctl.db'}"
-        if database == "sqlite"
-        else request.getfixturevalue("empty_postgres_url")
-    )
+    url = empty_database_url
     upgrade_database(url, "0003")
     fill_0003(url)
     before = row_counts(url)
@@ -180,15 +173,10 @@ def test_upgrading_a_database_with_runs_keeps_every_row(
     assert eval_rows(url, named=True) == [(*EVAL_ROW, "qa")]
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_eval_sets_of_one_task_are_kept_apart_and_downgrade_keeps_the_default_set(
-    database: str, tmp_path: Path, request: pytest.FixtureRequest
+    empty_database_url: str,
 ) -> None:
-    url = (
-        f"sqlite:///{tmp_path / 'trainctl.db'}"
-        if database == "sqlite"
-        else request.getfixturevalue("empty_postgres_url")
-    )
+    url = empty_database_url
     upgrade_database(url, "0003")
     fill_0003(url)
     upgrade_database(url)
