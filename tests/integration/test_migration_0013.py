@@ -6,22 +6,11 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import inspect, text
+from test_migration_0012 import execute
 
 from service.db import downgrade_database, make_engine, upgrade_database
 
 pytestmark = pytest.mark.integration
-
-NOW = "2026-12-02 12:00:00"
-
-
-def execute(url: str, *statements: str) -> None:
-    engine = make_engine(url)
-    try:
-        with engine.begin() as conn:
-            for statement in statements:
-                conn.execute(text(statement), {"now": NOW})
-    finally:
-        engine.dispose()
 
 
 def points(url: str) -> list[tuple[object, ...]]:
