@@ -254,9 +254,20 @@ def test_tags_and_note_are_edited_on_the_run_page_and_filter_the_runs_table(
         )
         assert not browser.find_element(By.ID, "run-edit").is_displayed()
         assert browser.find_element(By.ID, "edit-run").is_displayed()
-        chips = browser.find_elements(By.CSS_SELECTOR, "#run-tags .tag")
-        assert [c.text for c in chips] == ["baseline", "lr-sweep"]
-        assert browser.find_element(By.ID, "run-note").text == "the reference for the lr sweep"
+        # Read in the page, in one call: the live run page redraws its tags on every poll, so
+        # elements found a moment earlier may be gone (a stale reference failed here once).
+        wait_for(
+            browser,
+            "JSON.stringify([...document.querySelectorAll('#run-tags .tag')]"
+            '.map(chip => chip.textContent.trim())) === \'["baseline","lr-sweep"]\'',
+            "the tags show, deduplicated, in order",
+        )
+        wait_for(
+            browser,
+            "document.querySelector('#run-note').textContent.trim() === "
+            "'the reference for the lr sweep'",
+            "the note shows",
+        )
         stored = live.run(first)
         assert (stored["name"], stored["tags"], stored["note"]) == (
             "lr 3e-3 (reference)",
