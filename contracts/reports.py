@@ -46,6 +46,7 @@ FailureCause = Literal[
     "restarts_exhausted",
     "signature_mismatch",
     "checkpoint",
+    "disk_full",
 ]
 
 # A claim's secret: what `secrets.token_urlsafe(24)` makes, with room to spare.

@@ -90,8 +90,8 @@ ATTEMPT_TRANSITIONS: dict[AttemptStatus, frozenset[AttemptStatus]] = {
 }
 
 # The one error cause retried blindly (a new attempt while max_restarts lasts): the machine or
-# the network failed, not the run. data, config, nan, oom, checkpoint and signature_mismatch
-# would fail the same way again.
+# the network failed, not the run. data, config, nan, oom, checkpoint, disk_full and
+# signature_mismatch would fail the same way again (disk_full: resume once space is freed).
 RETRIED_CAUSE = "infrastructure"
 # Attempt ends that count against max_preemptions: the worker was taken away (or hung).
 PREEMPTION_STATUSES = (AttemptStatus.PREEMPTED, AttemptStatus.LOST)

@@ -180,7 +180,9 @@ def test_infrastructure_errors_are_retried_while_max_restarts_lasts(
     assert len(final["attempts"]) == 2
 
 
-@pytest.mark.parametrize("cause", ["data", "nan", "oom", "config", "signature_mismatch"])
+@pytest.mark.parametrize(
+    "cause", ["data", "nan", "oom", "config", "signature_mismatch", "disk_full"]
+)
 def test_errors_that_would_repeat_fail_the_run_at_once(
     api: Api, tiny_workflow: WorkflowFactory, cause: str
 ) -> None:
@@ -192,6 +194,41 @@ def test_errors_that_would_repeat_fail_the_run_at_once(
     assert f"{cause} problem" in final["message"]
     assert final["restarts"] == 0
     assert len(final["attempts"]) == 1
+
+
+def test_a_full_disk_fails_the_run_without_a_restart_and_resume_continues_from_its_checkpoint(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """A new attempt would meet the same full disk: the run fails at once, keeping its whole
+    restart budget, and continues from its latest checkpoint once resumed (space freed)."""
+    run = submit(api, {"workflow": tiny_workflow(phases=1, steps=10), "max_restarts": 3}).json()
+    first = claimed(api, run["id"])
+    assert first.checkpoint(step=4, phase_index=0, phase_step=4).status_code == 200
+    message = "no space left in /artifacts/runs/r/checkpoints: 0.0 MiB free, needs about 40.0 MiB"
+    finished = first.finish("failed", step=6, cause="disk_full", message=message)
+    assert finished.status_code == 200, finished.text
+
+    failed = get_run(api, run["id"])
+    assert (failed["status"], failed["cause"]) == ("failed", "disk_full")
+    assert message in failed["message"]
+    assert (failed["restarts"], failed["preemptions"]) == (0, 0)
+    assert [(a["status"], a["cause"]) for a in failed["attempts"]] == [("failed", "disk_full")]
+    # None queued for it: the only message is the first attempt's.
+    assert [message_args(m)[0] for m in queued_messages(api.settings)] == [first.attempt_id]
+
+    resumed = post(api, run["id"], "resume")
+    assert resumed.status_code == 200, resumed.text
+    assert (resumed.json()["status"], resumed.json()["cause"]) == ("recovering", None)
+    second = Worker(api, current_attempt(get_run(api, run["id"]))["id"])
+    answer = second.claim()
+    assert answer.status_code == 200, answer.text
+    claim = answer.json()
+    assert claim["attempt_number"] == 2
+    assert claim["resume_from"]["step"] == 4
+    assert second.checkpoint(step=10, phase_index=0, phase_step=10).status_code == 200
+    assert second.finish("succeeded", step=10).status_code == 200
+    final = get_run(api, run["id"])
+    assert (final["status"], final["restarts"]) == ("succeeded", 0)
 
 
 def test_budgets_default_from_settings_and_are_shown(
