@@ -21,7 +21,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from contracts.reports import Claim
 from contracts.signature import sha256_file
 from worker import failpoint
-from worker.error import CheckpointError, SignatureMismatch
-from worker.files import fsync_dir, fsync_file
+from worker.error import CheckpointError, DiskFull, SignatureMismatch
+from worker.files import free_bytes, fsync_dir, fsync_file, mib, out_of_space
 from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
 from worker.optim import Optimizers
 from worker.shards import SHARDS_METADATA, ShardedSave, has_shards
@@ -212,16 +212,38 @@ def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer
     directory is touched, so a writer that lost its attempt meanwhile (a stop, a revived
     zombie) harms no one; `publish_checkpoint` puts it in place once the writer is still owner.
     Sharded (`snapshot.sharded`), the directory is the one every rank writes its shards into,
-    and the manifest waits for them."""
+    and the manifest waits for them.
+
+    A write that fails removes the temporary directory: never put in place, it only holds
+    space. DiskFull when the file system has less free space than the snapshot needs
+    (`needed_bytes`), found before the first byte is written, or when a write failed for lack
+    of it."""
     state = snapshot.state
     directory.mkdir(parents=True, exist_ok=True)
-    if snapshot.sharded is not None:
-        tmp = snapshot.sharded.directory
-        tmp.mkdir(exist_ok=True)  # DCP may have made it, for the shards
-    else:
-        tmp = directory / temporary_name(state.step)
-        tmp.mkdir()
+    # One statvfs: cheap to know before a save, and it spares writing one that cannot fit.
+    needed = needed_bytes(snapshot)
+    free = free_bytes(directory)
+    sharded = snapshot.sharded is not None
+    tmp = snapshot.sharded.directory if snapshot.sharded else directory / temporary_name(state.step)
+    try:
+        if free < needed:
+            raise DiskFull(_no_room(directory, state.step, free=free, needed=needed))
+        tmp.mkdir(exist_ok=sharded)  # DCP may have made it, for the shards
+        _write_parts(tmp, snapshot, tokenizer)
+    except DiskFull:
+        _discard(tmp, snapshot)
+        raise
+    except Exception as err:
+        full = _ran_out_of_space(err, directory, tmp, state.step, needed)
+        _discard(tmp, snapshot)
+        if full is None:
+            raise
+        raise full from err
+    return tmp
 
+
+def _write_parts(tmp: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> None:
+    state = snapshot.state
     # The model as `save_pretrained` writes it: config.json and model.safetensors.
     snapshot.config.save_pretrained(tmp)
     if snapshot.weights is not None:
@@ -251,7 +273,59 @@ def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     fsync_file(tmp / MANIFEST)
     fsync_dir(tmp)
-    return tmp
+
+
+# What a checkpoint holds beyond its tensors, from above: the tokenizer files (~10 MiB for a
+# vocabulary of 150k tokens), config and state JSON, the manifest, torch.save's zip records and
+# safetensors' header.
+_SPACE_MARGIN = 32 * 2**20
+
+
+def needed_bytes(snapshot: Snapshot) -> int:
+    """Roughly the bytes `snapshot` takes on disk, from above: its tensors' and a margin. Of a
+    sharded phase's, what this rank writes besides the shards (DCP writes those)."""
+    return _tensor_bytes([snapshot.weights, snapshot.optimizer, snapshot.rng]) + _SPACE_MARGIN
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _no_room(directory: Path, step: int, *, free: int, needed: int) -> str:
+    return (
+        f"no space for the checkpoint of step {step} in {directory}: {mib(free)} free, it "
+        f"needs about {mib(needed)}; free space there (older runs' checkpoints, token stores "
+        "no run needs) or move the artifact store, then resume the run (trainctl runs resume)"
+    )
+
+
+def _ran_out_of_space(
+    err: Exception, directory: Path, tmp: Path, step: int, needed: int
+) -> DiskFull | None:
+    """DiskFull when the write that failed with `err` ran out of space: its error says so
+    (ENOSPC, EDQUOT), or the file system now has less free space than what was left to write
+    (torch's zip writer fails on a full disk with "unexpected pos", no errno). Measured before
+    the partial directory `tmp` is removed, which frees what it held."""
+    free = free_bytes(directory)
+    written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
+    if out_of_space(err) is None and free >= needed - written:
+        return None
+    failed = f"{type(err).__name__}: {err}"
+    return DiskFull(f"{_no_room(directory, step, free=free, needed=needed)} ({failed})")
+
+
+def _discard(tmp: Path, snapshot: Snapshot) -> None:
+    """Remove the temporary directory of a save that failed; sharded, once every rank's DCP
+    save into it has ended, well or not, so that no shard is written after."""
+    if snapshot.sharded is not None:
+        wait([snapshot.sharded.written])
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def publish_checkpoint(tmp: Path) -> Path:

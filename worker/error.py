@@ -1,7 +1,7 @@
 """Training failures, each carrying the failure cause the service records for it.
 
-The cause decides what the service does next: data, config, nan, oom, checkpoint and
-signature_mismatch are never retried blindly; infrastructure failures are.
+The cause decides what the service does next: data, config, nan, oom, checkpoint, disk_full
+and signature_mismatch are never retried blindly; infrastructure failures are.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ class CheckpointError(TrainingError):
     cause is `checkpoint`, which the service never retries blindly."""
 
     cause: FailureCause = "checkpoint"
+
+
+class DiskFull(TrainingError):
+    """A write ran out of space (ENOSPC, EDQUOT, or torch's zip writer failing on a disk with
+    no room left). Another attempt would meet the same full disk and spend a restart on it:
+    cause `disk_full`, which fails the run at once; it is resumed once space is freed."""
+
+    cause: FailureCause = "disk_full"
 
 
 class OptimizerCoverageError(CheckpointError):

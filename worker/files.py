@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
+
+# A full file system, or this user's quota on it: another attempt would meet the same wall.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_file(path: Path) -> None:
@@ -18,3 +23,26 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def free_bytes(path: Path) -> int:
+    """The bytes this process may still write on the file system of `path` (which exists):
+    what is left to unprivileged users, not the blocks reserved for root. One statvfs."""
+    return shutil.disk_usage(path).free
+
+
+def out_of_space(err: BaseException) -> OSError | None:
+    """The OSError that says the disk or the quota is full, found in `err` or in what it was
+    raised from; None when there is none (torch's zip writer, for one, hides the errno)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno in _NO_SPACE:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -286,6 +287,30 @@ def test_a_corrupt_resume_checkpoint_without_a_fallback_fails_with_cause_checkpo
     assert (finish["status"], finish["cause"], finish["step"]) == ("failed", "checkpoint", 3)
     assert f"checkpoint {ref.path} (step 3) failed verification" in finish["message"]
     assert "attempt attempt-1 of run run-1, phase 0" in finish["message"]
+
+
+def test_a_checkpoint_that_does_not_fit_fails_the_attempt_with_cause_disk_full(
+    workflow: Workflow,
+    make_claim: Callable[..., Claim],
+    settings: WorkerSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Another attempt would meet the same full disk: the cause says so, and the service
+    fails the run without spending a restart on it (tests/integration/test_recovery_api.py)."""
+    claim = make_claim(workflow)
+    free = shutil.disk_usage(tmp_path)._replace(free=2**20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: free)
+    service = InProcessService(claim)
+    assert attempt(service, settings) is None
+
+    (finish,) = service.of("finish")
+    assert (finish["status"], finish["cause"], finish["step"]) == ("failed", "disk_full", 3)
+    checkpoints = Path(claim.artifact_dir) / "checkpoints"
+    assert f"{checkpoints}: 1.0 MiB free" in finish["message"]
+    assert "attempt attempt-1 of run run-1, phase 0" in finish["message"]
+    assert "checkpoints" not in service.kinds()
+    assert list(checkpoints.iterdir()) == []
 
 
 def test_a_stop_answer_ends_the_attempt_without_finishing(
