@@ -1,4 +1,5 @@
-"""Fault injection for tests: kill, slow or hang this worker at an exact instant of the loop.
+"""Fault injection for tests: kill, slow or hang this worker at an exact instant of the loop, or
+fail a write there as a full disk does.
 
 A test knob, never a production one: tests arm points with `TRAINCTL_TEST_FAILPOINTS`
 (comma-separated), and the worker refuses to start with it set unless `TRAINCTL_TESTING=1`
@@ -21,12 +22,15 @@ What happens there:
 - `hang_point@step` (e.g. `hang_before_step@3`): block the calling thread forever. The
   process and its other threads (the lease keeper's heartbeats, the metrics server) stay
   alive: a hung worker, not a dead one, which only its stalled progress gives away.
+- `full_point@step` (e.g. `full_mid_checkpoint@8`): raise OSError(ENOSPC), as a write to a
+  full disk does there; a checkpoint of a full store, without filling one.
 
 Slow and hang log a line naming the point before they act.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -39,10 +43,15 @@ from typing import Literal
 log = logging.getLogger(__name__)
 
 POINTS = ("before_step", "after_step", "mid_checkpoint", "after_checkpoint")
-Action = Literal["kill", "slow", "hang"]
-_PREFIXES: tuple[tuple[str, Action], ...] = (("slow_", "slow"), ("hang_", "hang"))
+Action = Literal["kill", "slow", "hang", "full"]
+_PREFIXES: tuple[tuple[str, Action], ...] = (
+    ("slow_", "slow"),
+    ("hang_", "hang"),
+    ("full_", "full"),
+)
 _GRAMMAR = (
-    "expected point@step, slow_point@step=seconds or hang_point@step, with point one of "
+    "expected point@step, slow_point@step=seconds, hang_point@step or full_point@step, with "
+    "point one of "
     f"{', '.join(POINTS)}, step a non-negative integer and seconds a number >= 0"
 )
 
@@ -103,7 +112,8 @@ def arm(spec: str) -> None:
 
 
 def hit(name: str, step: int) -> None:
-    """Kill, slow or hang here when `name@step` is armed; nothing otherwise."""
+    """Kill, slow, hang or fail as a full disk here when `name@step` is armed; nothing
+    otherwise."""
     global _armed
     if _armed is None:
         from worker.settings import get_settings  # read once, on the first hit
@@ -114,6 +124,8 @@ def hit(name: str, step: int) -> None:
         return
     if armed.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif armed.action == "full":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {armed.spec})")
     elif armed.action == "slow":
         log.warning("failpoint %s: sleeping %.1f s in this thread", armed.spec, armed.seconds)
         time.sleep(armed.seconds)

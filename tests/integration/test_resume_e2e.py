@@ -188,3 +188,44 @@ def test_resume_after_sigkill_right_after_a_carried_boundary_matches_uninterrupt
             # Carried, not reset: AdamW's step count ran on through both phases.
             _, optimizer = final_state(resumed)
             assert {int(s["step"]) for s in optimizer["adamw"]["state"].values()} == {12}
+
+
+def test_a_full_disk_fails_the_run_at_once_and_resume_matches_uninterrupted_run(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """The artifact store fills while step 8's checkpoint is written (the failpoint raises
+    ENOSPC there, as the write would): the attempt ends `disk_full`, the run fails at once with
+    no restart spent and nothing half-written left, and once resumed (space freed) it goes on
+    from step 4's checkpoint to the state of a run that never met a full disk, bit for bit."""
+    body = submission("continued_pretrain", tmp_path)
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
+        with stack.api() as api:
+            full = stack.worker(
+                **WORKER_ENV, TRAINCTL_TESTING="1", TRAINCTL_TEST_FAILPOINTS="full_mid_checkpoint@8"
+            )
+            created = api.post("/runs", json={**body, "max_restarts": 3})
+            assert created.status_code == 201, created.text
+            run_id = created.json()["id"]
+            failed = wait_for_run(api, run_id, timeout=300, procs=[full])
+            assert (failed["status"], failed["cause"], failed["restarts"]) == (
+                "failed",
+                "disk_full",
+                0,
+            )
+            assert [(a["status"], a["cause"]) for a in failed["attempts"]] == [
+                ("failed", "disk_full")
+            ]
+            checkpoints = Path(failed["latest_checkpoint"]["path"]).parent
+            assert f"no space for the checkpoint of step 8 in {checkpoints}" in failed["message"]
+            assert "free, it needs about" in failed["message"]
+            assert [p.name for p in checkpoints.iterdir()] == ["step-00000004"]
+            full.stop()  # the failpoint would fill the disk again
+
+            clean = stack.worker(**WORKER_ENV)
+            resumed = api.post(f"/runs/{run_id}/resume")
+            assert resumed.status_code == 200, resumed.text
+            run = wait_for_run(api, run_id, timeout=300, procs=[clean])
+            assert run["status"] == "succeeded", run
+            assert [a["status"] for a in run["attempts"]] == ["failed", "succeeded"]
+            assert_identical_runs(api, run, reference_run(api, body, clean))

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -98,6 +99,19 @@ def test_an_unarmed_point_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kills == []
     failpoint.hit("after_step", 3)  # the armed one reaches os.kill (patched here)
     assert kills == [(os.getpid(), signal.SIGKILL)]
+
+
+def test_a_full_point_raises_what_a_write_to_a_full_disk_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(failpoint, "_armed", None)
+    failpoint.arm("full_mid_checkpoint@8")
+    failpoint.hit("mid_checkpoint", 4)
+    with pytest.raises(OSError, match="failpoint full_mid_checkpoint@8") as raised:
+        failpoint.hit("mid_checkpoint", 8)
+    assert raised.value.errno == errno.ENOSPC
+    with pytest.raises(ValueError, match="failpoint"):
+        failpoint.parse("full_mid_checkpoint@8=1")
 
 
 def test_a_slow_point_sleeps_in_the_calling_thread_then_goes_on(
