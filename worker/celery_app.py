@@ -100,7 +100,7 @@ def ping_service(settings: WorkerSettings, stopped: threading.Event) -> None:
         devices=len(ids),
         device_kind=kind,
     )
-    headers = {"Authorization": f"Bearer {settings.worker_token}"}
+    headers = {"Authorization": f"Bearer {settings.worker_token.get_secret_value()}"}
     failing = False
     with httpx.Client(base_url=settings.api_url, headers=headers, timeout=5.0) as http:
         while True:

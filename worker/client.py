@@ -96,7 +96,7 @@ class ServiceClient:
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> ServiceClient:
-        return cls(settings.api_url, settings.worker_token)
+        return cls(settings.api_url, settings.worker_token.get_secret_value())
 
     def close(self) -> None:
         self._http.close()

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.dispatch import DEFAULT_QUEUE
@@ -18,8 +18,9 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINCTL_", frozen=True)
 
     api_url: str = "http://127.0.0.1:8600"
-    # The bearer token of `/internal/...`; workers hold no database credentials.
-    worker_token: str = ""
+    # The bearer token of `/internal/...`; workers hold no database credentials. A secret:
+    # `**********` in every repr, str and dump; `get_secret_value()` where it is sent.
+    worker_token: SecretStr = SecretStr("")
     home: Path = Path("~/.trainctl")
     # Empty means the embedded broker: `filesystem://<home>/broker`.
     broker_url: str = ""
