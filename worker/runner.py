@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 from contracts.paths import DataRoots, PathUse
 from contracts.reports import Claim, ClaimRequest, FailureCause, Finish
-from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
+from runtime.digest import digest_path
 from runtime.logs import log_context
 from worker import metrics
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
@@ -29,7 +29,7 @@ from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.model import select_device
 from worker.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.settings import WorkerSettings
-from worker.store import artifact_root, cached_sha256, store_root
+from worker.store import DIGESTS, artifact_root, store_root
 from worker.trainer import PhaseOutcome, train_phase
 
 log = logging.getLogger(__name__)
@@ -383,13 +383,9 @@ def verify_inputs(
             progress()  # each file hashed is progress: a stall is judged by it
         if not Path(path).exists():
             raise TrainingError(f"{kind} {path} not found on host {socket.gethostname()}")
-        # And each MiB of it. A file's digest is cached with its size and modification time:
-        # a phase start on a corpus hashed before costs a stat, not a read of the corpus.
-        actual = (
-            cached_sha256(path, root, progress)
-            if Path(path).is_file()
-            else sha256_path(path, progress)
-        )
+        # And each MiB of it. A digest is cached with its file's stat (runtime.digest): a
+        # phase start on a corpus hashed before costs a stat, not a read of the corpus.
+        actual = digest_path(path, progress, cache_dir=root / DIGESTS)
         if actual != expected:
             raise SignatureMismatch(
                 f"{kind} {path} has SHA-256 {actual}, but the run's signature was computed "

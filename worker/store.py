@@ -48,8 +48,8 @@ from tokenizers import Tokenizer
 
 from contracts.jobs import PreparedStore, PrepareRequest
 from contracts.reports import Claim
-from contracts.signature import sha256_file
 from contracts.workflow import ENCODER_VERSION
+from runtime.digest import digest_path
 from worker.encode import ZERO_TARGET, EncodedBatch, assemble_batch, tokenize, too_long
 from worker.error import DataError
 from worker.files import fsync_dir, fsync_file
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 STORE_DIR = "tokens"
 FORMAT = 1  # of the files below; a store of another format is rebuilt, never misread
 META = "meta.json"
+DIGESTS = "digests"  # under a store root: runtime.digest's entries, which outlive a worker
 _TMP_PREFIX = ".tmp-"
 # Records encoded per tokenizer call, at most, and bytes of lines: the build's memory bound
 # (the tokenizer's encodings take ~100 bytes per token), and one unit of progress.
@@ -451,7 +452,7 @@ def _batches(path: str) -> Iterator[tuple[list[Record], int]]:
 class Stores:
     """The token stores under `root` for one tokenizer: `get(path, fit)` opens a file's store,
     building it first where it is missing. A file's SHA-256 comes from `digests` when the
-    caller knows it (a claim's, verified before training) and from `cached_sha256`
+    caller knows it (a claim's, verified before training) and from runtime.digest's cache
     otherwise. `fraction(path, share)` hears how far a build has read its file."""
 
     def __init__(
@@ -491,7 +492,7 @@ class Stores:
             )
         sha = self._digests.get(path)
         if sha is None:
-            sha = cached_sha256(path, self.root, self._progress)
+            sha = digest_path(path, self._progress, cache_dir=self.root / DIGESTS)
             self._digests[path] = sha
         return StoreKey(file_sha256=sha, tokenizer_sha256=self.tokenizer_sha256, fit=fit)
 
@@ -510,31 +511,6 @@ class Stores:
             progress=self._progress,
             fraction=None if fraction is None else (lambda share: fraction(path, share)),
         )
-
-
-# --- digests --------------------------------------------------------------------------------
-
-
-def cached_sha256(path: str | Path, root: Path, progress: Callable[[], None] | None = None) -> str:
-    """The SHA-256 of the file at `path`, from a cache under `root` while the file's size,
-    modification time and inode are those it was hashed at (a stat is all a phase start then
-    costs: a 100 GB corpus is not hashed again at every attempt); hashed and cached otherwise.
-    Like make and git, it trusts a file that was rewritten in place with its old size and
-    modification time forced back."""
-    resolved = Path(path).resolve()
-    stat = resolved.stat()
-    seen = [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev]
-    entry = root / "digests" / (hashlib.sha256(str(resolved).encode()).hexdigest() + ".json")
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        cached = json.loads(entry.read_text())
-        if cached["path"] == str(resolved) and cached["stat"] == seen:
-            return str(cached["sha256"])
-    digest = sha256_file(resolved, progress)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps({"path": str(resolved), "stat": seen, "sha256": digest}))
-    os.replace(tmp, entry)
-    return digest
 
 
 # --- preparing ahead of time ----------------------------------------------------------------

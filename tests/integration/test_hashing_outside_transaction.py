@@ -15,9 +15,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import make_url
 from weights import write_model_dir
 
-import service.digest
+import runtime.digest
 from contracts.signature import sha256_path
-from service.digest import clear_digest_cache
+from runtime.digest import clear_digest_cache
 from service.models import Attempt, Checkpoint, Run, utcnow
 
 if TYPE_CHECKING:
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.integration
 
 
 class HeldHash:
-    """Stands in for the hash function service.digest uses: while held, every call says it is
-    hashing, then waits until released."""
+    """Stands in for the hash function the digest cache (runtime.digest) uses: while held,
+    every call says it is hashing, then waits until released."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -44,7 +44,7 @@ class HeldHash:
             self.released.clear()
         clear_digest_cache()
 
-    def __call__(self, path: Path) -> str:
+    def __call__(self, path: Path, progress: Callable[[], None] | None = None) -> str:
         with self.lock:
             self.calls += 1
             self.hashing.notify_all()
@@ -60,7 +60,7 @@ class HeldHash:
 def held_hash(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldHash]:
     held = HeldHash()
     held.hold()
-    monkeypatch.setattr(service.digest, "sha256_path", held)
+    monkeypatch.setattr(runtime.digest, "sha256_path", held)
     yield held
     held.released.set()
     clear_digest_cache()

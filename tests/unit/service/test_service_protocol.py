@@ -1,17 +1,15 @@
-"""Pure pieces of the run and attempt logic: restarts, digests, error paths, file hashing."""
+"""Pure pieces of the run and attempt logic: restarts, digests, error paths."""
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from contracts.reports import MetricPoint as ReportedPoint
-from contracts.signature import Digests, compute_signature, sha256_path
+from contracts.signature import Digests, compute_signature
 from contracts.workflow import validate_workflow
-from service.digest import clear_digest_cache, digest_path
 from service.errors import ApiError, validation_details
 from service.lease import digests_of
 from service.lifecycle import budget_use, recovery_seconds
@@ -148,30 +146,3 @@ def test_validation_details_use_json_paths() -> None:
         {"path": "$", "message": "give one"},
         {"path": "name", "message": "is required"},
     ]
-
-
-def test_digest_cache_rehashes_only_when_size_or_mtime_change(tmp_path: Path) -> None:
-    clear_digest_cache()
-    path = tmp_path / "data.jsonl"
-    path.write_text("one\n")
-    first = digest_path(path)
-    assert first == sha256_path(path)
-    stat = path.stat()
-    # Same size and mtime: the cached digest answers (proof: the content changed unseen).
-    path.write_text("two\n")
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert digest_path(path) == first
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert digest_path(path) == sha256_path(path) != first
-
-
-def test_directory_digest_matches_the_contract_and_sees_new_files(tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    before = digest_path(model)
-    assert before == sha256_path(model)
-    (model / "weights.safetensors").write_bytes(b"w")
-    assert digest_path(model) == sha256_path(model) != before
-    with pytest.raises(FileNotFoundError):
-        digest_path(tmp_path / "missing")

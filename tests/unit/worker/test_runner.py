@@ -15,6 +15,7 @@ import pytest
 from contracts.reports import CheckpointRef, Claim
 from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
+from runtime.digest import clear_digest_cache
 from worker.checkpoint import MANIFEST
 from worker.client import ServiceClient, ServiceUnavailable
 from worker.runner import run_attempt, verify_inputs
@@ -227,6 +228,7 @@ def test_hashing_the_inputs_is_progress_for_every_chunk_read(
         [{"name": "pt", "objective": "continued_pretrain", "data": [big], "steps": 1}]
     )
     calls: list[int] = []
+    clear_digest_cache()  # the session's tokenizer, hashed by an earlier test in this process
     verify_inputs(make_claim(workflow), workflow, lambda: calls.append(1))
     files = [Path(workflow.tokenizer), big]
     chunks = sum(math.ceil(f.stat().st_size / 2**20) for f in files)

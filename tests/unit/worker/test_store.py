@@ -28,7 +28,6 @@ from worker.store import (
     StoreKey,
     Stores,
     TokenFile,
-    cached_sha256,
     ensure_store,
     id_dtype,
     open_store,
@@ -197,19 +196,6 @@ def test_a_damaged_store_is_refused_on_open_and_rebuilt(
     assert [p.name.startswith(".broken-") for p in root.iterdir()].count(True) == 1
     meta = json.loads((rebuilt.path / META).read_text())
     assert meta["files"]["ids.bin"] == (rebuilt.path / "ids.bin").stat().st_size
-
-
-def test_a_files_digest_is_cached_while_its_stat_holds(tmp_path: Path) -> None:
-    path = tmp_path / "data.txt"
-    path.write_text("one\n")
-    reads: list[int] = []
-    digest = cached_sha256(path, tmp_path / "tokens", lambda: reads.append(1))
-    assert digest == sha256_file(path) and reads == [1]
-    assert cached_sha256(path, tmp_path / "tokens", lambda: reads.append(1)) == digest
-    assert reads == [1], "the second call read nothing"
-
-    path.write_text("two, longer\n")
-    assert cached_sha256(path, tmp_path / "tokens") == sha256_file(path) != digest
 
 
 def test_a_missing_file_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
