@@ -19,9 +19,12 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import IO, TYPE_CHECKING, Any, Literal, cast
 
 from worker.error import DataError
+
+if TYPE_CHECKING:
+    from hashlib import _Hash as Hash
 
 RecordKind = Literal["text", "pair", "chat", "segmented"]
 # How an elastic segment may shrink: dropped whole only, or trimmed from its start or its end
@@ -30,6 +33,7 @@ Elastic = Literal["drop", "start", "end"]
 ELASTIC: tuple[str, ...] = ("drop", "start", "end")
 
 _JSON_SUFFIXES = (".jsonl", ".json")
+_CHUNK = 1 << 20  # read past the last line, to hash the file to its end
 _SHAPES = (
     '{"text"}, {"source", "target"}, {"messages": [{"role", "content"}]} or '
     '{"segments": [{"text", "role", "elastic"?}], "target"}'
@@ -70,15 +74,42 @@ def is_jsonl(path: str) -> bool:
     return path.removesuffix(".zst").endswith(_JSON_SUFFIXES)
 
 
-def _open_text(path: str) -> tuple[io.TextIOBase, io.FileIO]:
+class _Hashed(io.RawIOBase):
+    """A raw file that passes every byte read from it to `digest` (a hashlib object), in
+    order: the bytes the lines were decoded from, hashed as they are read, not read twice."""
+
+    def __init__(self, raw: io.FileIO, digest: Hash) -> None:
+        self._raw = raw
+        self._digest = digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        n = self._raw.readinto(buffer)
+        if n:
+            self._digest.update(memoryview(buffer)[:n])
+        return n
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _open_text(path: str, digest: Hash | None = None) -> tuple[io.TextIOBase, io.RawIOBase]:
     """The file as text (decompressed when it ends in .zst), and the raw file under it, whose
-    position says how much of the file has been read."""
-    raw = io.FileIO(path, "r")
+    position says how much of the file has been read (and whose bytes go to `digest`)."""
+    file = io.FileIO(path, "r")
+    raw: io.RawIOBase = file if digest is None else _Hashed(file, digest)
     try:
         if path.endswith(".zst"):
             import zstandard
 
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+            source = cast(IO[bytes], raw)  # a raw file's read() is all the reader calls
+            reader = zstandard.ZstdDecompressor().stream_reader(source, closefd=True)
             return io.TextIOWrapper(reader, encoding="utf-8"), raw
         return io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8"), raw
     except BaseException:
@@ -92,15 +123,20 @@ def read_lines(path: str) -> Iterator[tuple[int, str]]:
         yield number, line
 
 
-def read_lines_at(path: str) -> Iterator[tuple[int, str, int]]:
+def read_lines_at(path: str, digest: Hash | None = None) -> Iterator[tuple[int, str, int]]:
     """`read_lines` with, for each line, the bytes of the file read so far (of the compressed
-    file for .zst; read ahead in blocks, so a measure of progress, not of the line)."""
+    file for .zst; read ahead in blocks, so a measure of progress, not of the line). With
+    `digest`, every byte of the file goes to it as it is read, to the end of the file (past the
+    end of a .zst frame too) once the last line is out."""
     try:
-        stream, raw = _open_text(path)
+        stream, raw = _open_text(path, digest)
         with stream:
             for number, line in enumerate(stream, start=1):
                 if line.strip():
                     yield number, line.rstrip("\n"), raw.tell()
+            if digest is not None:
+                while raw.read(_CHUNK):
+                    pass
     except FileNotFoundError as err:
         raise DataError(f"{path}: file not found") from err
     except UnicodeDecodeError as err:
@@ -118,10 +154,11 @@ def read_records(path: str) -> list[Record]:
     return [record for record, _ in iter_records(path)]
 
 
-def iter_records(path: str) -> Iterator[tuple[Record, int]]:
-    """Every record of a file, in order, streaming, each with the bytes read so far."""
+def iter_records(path: str, digest: Hash | None = None) -> Iterator[tuple[Record, int]]:
+    """Every record of a file, in order, streaming, each with the bytes read so far; the file's
+    bytes to `digest` as they are read (read_lines_at)."""
     jsonl = is_jsonl(path)
-    for n, line, at in read_lines_at(path):
+    for n, line, at in read_lines_at(path, digest):
         if jsonl:
             yield parse_record(path, n, line), at
         else:

@@ -4,6 +4,7 @@ verified on open, shared by every reader, and holding exactly what the encoder m
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from worker.store import (
     id_dtype,
     open_store,
 )
+
+Rewrite = Callable[[Path, bytes], None]
 
 
 def key_for(path: Path, tokenizer: Tokenizer, fit: int | None) -> StoreKey:
@@ -162,6 +165,19 @@ def test_a_failed_build_leaves_nothing_that_looks_complete(
     root = tmp_path / "tokens"
     with pytest.raises(DataError, match=r"bad\.jsonl:5001: not valid JSON"):
         build(path, tokenizer, root)
+    assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_file_changed_since_its_digest_is_refused_and_no_store_is_published(
+    mixed: Path, tokenizer: Tokenizer, tmp_path: Path, rewrite_in_place: Rewrite
+) -> None:
+    root = tmp_path / "tokens"
+    key = key_for(mixed, tokenizer, SEQ)  # the digest a claim carries, taken before the build
+    rewrite_in_place(mixed, mixed.read_bytes().replace(b"cat", b"dog"))
+    with pytest.raises(DataError, match=re.escape(f"{mixed} changed while it was read")) as refused:
+        ensure_store(str(mixed), tokenizer, key, root)
+    assert refused.value.cause == "data"
+    assert key.file_sha256 in str(refused.value) and sha256_file(mixed) in str(refused.value)
     assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
 
 
