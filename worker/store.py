@@ -18,8 +18,9 @@ and evaluation on the same artifact store shares it. Under `<artifact_root>/toke
 
 It is built streaming (ENCODE_BATCH records in memory at a time) into a temporary directory,
 hashing the file's bytes as they are read (published only when they have the digest the name
-says), fsynced and renamed into place, like a checkpoint: a directory without `meta.json` is never
-opened, and a crash mid-build leaves only a temporary directory that the next build removes.
+says), fsynced and renamed into place, like a checkpoint: a directory without `meta.json` is
+never opened, and a crash mid-build leaves only a temporary directory, which a later build
+removes once it can prove its builder gone (`_remove_temporaries`), never a live one.
 A lock file serialises builders of one store on a host (two workers wanting it do not both
 build it); across hosts the rename decides, and the loser opens the winner's store. Opening
 checks `meta.json` against the key and every file's size: cheap, whatever the store's size.
@@ -30,11 +31,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 import uuid
@@ -67,6 +70,10 @@ FORMAT = 1  # of the files below; a store of another format is rebuilt, never mi
 META = "meta.json"
 DIGESTS = "digests"  # under a store root: runtime.digest's entries, which outlive a worker
 _TMP_PREFIX = ".tmp-"
+# A half-built store that nothing has written to for this long is taken for abandoned,
+# whoever built it: a live build writes to it at every batch (about every second); a builder on
+# another host cannot be asked whether it is alive (docs/data.md).
+ABANDONED_AFTER_SECONDS = 24 * 3600
 # Records encoded per tokenizer call, at most, and bytes of lines: the build's memory bound
 # (the tokenizer's encodings take ~100 bytes per token), and one unit of progress.
 ENCODE_BATCH = 4096
@@ -259,7 +266,7 @@ def ensure_store(
                 final.rename(root / f".broken-{key.name}-{uuid.uuid4().hex[:8]}")
         _remove_temporaries(root, key)
         started = time.perf_counter()
-        tmp = root / f"{_TMP_PREFIX}{key.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = Builder.this().temporary(root, key)
         try:
             _build(path, tokenizer, key, tmp, progress=progress, fraction=fraction)
         except BaseException:
@@ -302,10 +309,80 @@ def _locked(lock: Path, progress: Callable[[], None] | None) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+@dataclass(frozen=True)
+class Builder:
+    """Who builds a temporary store, as its name says
+    (`.tmp-<store>-<random>-<boot>-<pid>-<host>`): enough for a builder on the same host to
+    prove it dead."""
+
+    host: str
+    boot: str  # the first 8 characters of the host's boot id: pids start again at a reboot
+    pid: int
+
+    @classmethod
+    def this(cls) -> Builder:
+        return cls(host=socket.gethostname(), boot=_boot_id(), pid=os.getpid())
+
+    def temporary(self, root: Path, key: StoreKey) -> Path:
+        """A fresh temporary directory name for `key`'s store under `root`."""
+        nonce = uuid.uuid4().hex[:8]
+        return root / f"{_TMP_PREFIX}{key.name}-{nonce}-{self.boot}-{self.pid}-{self.host}"
+
+    @classmethod
+    def of(cls, temporary: Path, key: StoreKey) -> Builder | None:
+        """The builder a temporary of `key` names; None for a name of an older format."""
+        parts = temporary.name.removeprefix(f"{_TMP_PREFIX}{key.name}-").split("-", 3)
+        if len(parts) != 4 or not parts[2].isdigit():
+            return None
+        return cls(host=parts[3], boot=parts[1], pid=int(parts[2]))
+
+    def dead(self) -> bool:
+        """Provably dead, as this process sees it: a builder of this host, of an earlier boot
+        or with a pid no process has. Another host's cannot be proven dead from here."""
+        here = Builder.this()
+        return self.host == here.host and (self.boot != here.boot or not _alive(self.pid))
+
+
+@functools.cache
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text()[:8]
+    except OSError:  # not Linux: the pid alone speaks for a builder of this host
+        return "0" * 8
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _idle_seconds(path: Path) -> float:
+    """Seconds since anything was written to the temporary store `path`: the newest mtime of
+    the directory and its files (a build appends to its files at every batch)."""
+    try:
+        newest = max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.iterdir())])
+    except OSError:  # gone meanwhile: its builder published it, or another removed it
+        return 0.0
+    return time.time() - newest
+
+
 def _remove_temporaries(root: Path, key: StoreKey) -> None:
-    """Half-built stores of `key`: left by a builder that died (the lock is ours now)."""
+    """Half-built stores of `key` whose builder is gone. The lock, ours now, is not taken by
+    builders on other hosts (nor honoured by every shared filesystem), so a temporary is
+    removed when its name proves its builder dead (Builder.dead), or, where it cannot (another
+    host's, a name of an older format), once nothing has written to it for
+    ABANDONED_AFTER_SECONDS. A live build on another host is never removed."""
     for leftover in root.glob(f"{_TMP_PREFIX}{key.name}-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+        builder = Builder.of(leftover, key)
+        dead = builder is not None and builder.dead()
+        if dead or _idle_seconds(leftover) > ABANDONED_AFTER_SECONDS:
+            log.info("removing %s, left by a builder that is gone", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 # --- building -------------------------------------------------------------------------------

@@ -4,10 +4,13 @@ verified on open, shared by every reader, and holding exactly what the encoder m
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,10 @@ from worker.inspect import summarize, summarize_store
 from worker.model import EOS_TOKEN
 from worker.records import read_records
 from worker.store import (
+    ABANDONED_AFTER_SECONDS,
     KINDS,
     META,
+    Builder,
     StoreKey,
     Stores,
     TokenFile,
@@ -181,17 +186,63 @@ def test_a_file_changed_since_its_digest_is_refused_and_no_store_is_published(
     assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
 
 
-def test_a_builder_killed_mid_build_is_cleaned_up_by_the_next(
+def dead_pid() -> int:
+    """The pid of a process of this host that has ended (and been waited for)."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def temporary(root: Path, name: str, *, idle_hours: float, written_hours: float | None) -> Path:
+    """A half-built store `name` as a builder leaves it: its directory last changed
+    `idle_hours` ago, its ids last written `written_hours` ago (default: as long)."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "ids.bin").write_bytes(b"\0" * 10)
+    now = time.time()
+    for part, hours in ((path / "ids.bin", written_hours), (path, idle_hours)):
+        then = now - 3600 * (idle_hours if hours is None else hours)
+        os.utime(part, (then, then))
+    return path
+
+
+def test_a_builder_removes_only_the_temporaries_whose_builder_it_can_prove_dead(
     mixed: Path, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
     root = tmp_path / "tokens"
     key = key_for(mixed, tokenizer, SEQ)
-    leftover = root / f".tmp-{key.name}-999-deadbeef"  # what a SIGKILL mid-build leaves
-    leftover.mkdir(parents=True)
-    (leftover / "ids.bin").write_bytes(b"\0" * 10)
+    here = Builder.this()
+    dead = replace(here, pid=dead_pid())
+    elsewhere = replace(here, host="gpu-7.elsewhere")
+    old_hours = ABANDONED_AFTER_SECONDS / 3600 + 1
+    # (builder or a name of the format before builders were named, hours idle, hours since
+    # its files were last written)
+    kept = {
+        "a live builder here": (here, 0, None),
+        "a recent one of a dead pid on another host": (replace(elsewhere, pid=dead.pid), 1, None),
+        "another host's, its files written a minute ago": (elsewhere, old_hours, 1 / 60),
+        "one of an older name, recent": (f".tmp-{key.name}-{dead.pid}-deadbeef", 1, None),
+    }
+    removed = {
+        "a dead builder here, recent": (dead, 0, None),
+        "one here from before a reboot": (replace(here, boot="rebooted"), 0, None),
+        "an old one from another host": (elsewhere, old_hours, None),
+        "a live pid's here, untouched for a day (the pid reused)": (here, old_hours, None),
+        "one of an older name, old": (f".tmp-{key.name}-{here.pid}-deadbeef", old_hours, None),
+    }
+    paths = {
+        what: temporary(
+            root,
+            owner if isinstance(owner, str) else owner.temporary(root, key).name,
+            idle_hours=idle,
+            written_hours=written,
+        )
+        for what, (owner, idle, written) in (kept | removed).items()
+    }
     store = build(mixed, tokenizer, root)
-    assert not leftover.exists()
     assert store.path == root / key.name and len(store) == len(MIXED)
+    assert {what for what in kept if not paths[what].exists()} == set(), "removed, not dead"
+    assert {what for what in removed if paths[what].exists()} == set(), "dead, but kept"
 
 
 def test_a_damaged_store_is_refused_on_open_and_rebuilt(
