@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from http import HTTPStatus
 from typing import Any
 
@@ -363,13 +364,50 @@ def database_unavailable(err: Exception) -> ApiError:
     )
 
 
-def is_unavailable(err: Exception) -> bool:
-    """The database cannot be reached (refused, dropped, or no pooled connection in time),
-    as opposed to an error in a statement. Deadlocks and lock timeouts are OperationalError
-    too; a 503 with Retry-After is the right answer to those as well."""
+def is_retryable(err: Exception) -> bool:
+    """The database cannot be reached, or it cut a statement short (a deadlock, a lock or
+    statement timeout, SQLite's lock): a request may well succeed if retried, so an API
+    answer is a 503 with Retry-After."""
     if isinstance(err, OperationalError | PoolTimeoutError):
         return True
     return isinstance(err, DBAPIError) and err.connection_invalidated
+
+
+# Postgres SQLSTATEs of a connection the server refused or ended: class 08 (connection
+# exception) and these. Deadlocks (40P01), statement timeouts (57014) and lock timeouts (55P03)
+# are OperationalError too, but the database answered them.
+_CONNECTION_STATES = frozenset(
+    {
+        "57P01",  # admin_shutdown
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now (starting up, shutting down)
+        "53300",  # too_many_connections
+    }
+)
+# SQLite's primary result codes for a database file that cannot be opened or read.
+_SQLITE_UNREADABLE = frozenset({sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR})
+
+
+def is_unavailable(err: Exception) -> bool:
+    """The database cannot be reached: refused, dropped or ended by the server, no pooled
+    connection in time, or (SQLite) its file cannot be opened. Not an error in a statement,
+    however it is classed: the reaper grants grace for unavailability only (a deadlock taken
+    for an outage would extend every lease, pass after pass, while the deadlocks last)."""
+    if isinstance(err, PoolTimeoutError):
+        return True
+    if not isinstance(err, OperationalError):
+        return isinstance(err, DBAPIError) and err.connection_invalidated
+    if err.connection_invalidated:
+        return True
+    driver = err.orig
+    if isinstance(driver, sqlite3.Error):
+        return driver.sqlite_errorcode & 0xFF in _SQLITE_UNREADABLE
+    state = getattr(driver, "sqlstate", None)
+    if state is None:
+        # psycopg raises a connection it could not open or lost without a SQLSTATE: no
+        # server answered.
+        return True
+    return state.startswith("08") or state in _CONNECTION_STATES
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -428,7 +466,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 f"a value cannot be stored ({first})",
                 (lambda text: "\0" in text) if nul else (lambda _text: False),
             )
-        if not is_unavailable(exc):
+        if not is_retryable(exc):
             return await _unexpected(request, exc)
         log.warning("%s %s: database unavailable (%s)", request.method, request.url.path, exc)
         error = database_unavailable(exc)

@@ -45,7 +45,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from contracts.bounds import MAX_COUNT
 from service import access
 from service.deps import Credentials, authenticate
-from service.errors import is_unavailable
+from service.errors import is_retryable
 from service.lifecycle import FINISHED_RUN, phase_start
 from service.models import Attempt, Checkpoint, EvalResult, MetricPoint, Run
 from service.run import get_run, run_public
@@ -258,7 +258,7 @@ async def stream_run_events(
         try:
             poll = await anyio.to_thread.run_sync(partial(_poll_once, sessions, stream))
         except SQLAlchemyError as err:
-            if not is_unavailable(err):
+            if not is_retryable(err):
                 raise
             log.warning("events of run %s: database unavailable (%s)", stream.run_id, err)
             message = "the database does not answer; reconnect shortly with the steps you have"

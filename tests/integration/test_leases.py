@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import create_engine, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from contracts.reports import ClaimRequest
 from service.auth import create_token
+from service.db import make_session_factory, normalize_url
 from service.lease import lease_end
 from service.models import Attempt, Checkpoint, Run, utcnow
 from service.reaper import Reaper, reap_expired
@@ -481,6 +482,34 @@ def test_a_pass_that_fails_for_another_reason_than_an_outage_owes_no_grace(
     assert reaper.hearing()
     expire_now(api, attempt_id, seconds_ago=1)
     assert reaper.reap() == [attempt_id] and reaper.graces == 1
+
+
+def test_a_pass_cut_short_by_a_statement_timeout_owes_no_grace(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """A statement timeout (a lock timeout, a deadlock) is an error in one statement, not an
+    outage: the database answered, and so did the workers' reports. Taking it for deafness
+    would give every running lease another period, pass after pass while the cause lasts."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+    impatient = create_engine(
+        normalize_url(api.settings.database_url),
+        connect_args={"options": "-c statement_timeout=500"},
+    )
+    try:
+        reaper = reaper_over(make_session_factory(impatient))
+        started = utcnow()
+        assert reaper.reap(started) == [] and reaper.graces == 1
+        later = started + timedelta(seconds=LEASE + 1)  # the worker died: its lease ran out
+        with api.sessions() as blocker:
+            # A transaction holds the attempt's row: the reaper's UPDATE waits, and is cancelled.
+            blocker.execute(select(Attempt).where(Attempt.id == attempt_id).with_for_update())
+            assert reaper.reap(later) == []
+            blocker.rollback()
+        assert reaper.hearing()
+        assert reaper.reap(later) == [attempt_id] and reaper.graces == 1
+    finally:
+        impatient.dispose()
 
 
 def test_a_process_that_was_frozen_grants_grace_before_it_judges_a_lease(
