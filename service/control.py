@@ -10,6 +10,7 @@ from __future__ import annotations
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from service.db import database_now
 from service.errors import ApiError
 from service.lease import expire_attempt, lease_expired
 from service.lifecycle import (
@@ -68,7 +69,7 @@ def pause_run(*, session: Session, run_id: str, judge_leases: bool = True) -> Ru
     if run.status == RunStatus.PAUSED or run.pause_requested_at is not None:
         session.rollback()
         return run
-    now = utcnow()
+    now = database_now(session)
     if judge_leases and current is not None and lease_expired(current, now):
         # Its worker is gone: nothing will answer a pause request.
         expire_attempt(session=session, attempt=current, now=now)

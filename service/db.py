@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Engine, Result, create_engine, event
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+from service.models import utcnow
 
 # How long a SQLite writer waits for the file lock before "database is locked".
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -91,6 +94,17 @@ def insert_for(session: Session, model: Any) -> Any:
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
     return sqlite_insert(model)
+
+
+def database_now(session: Session) -> datetime:
+    """The database's clock. Leases and stall clocks are written and judged by it, so
+    replicas whose own clocks disagree still agree on every lease. Postgres: one round trip
+    (`clock_timestamp()`, the time now, not the transaction's start). SQLite runs in this
+    process, so its clock is this process's own."""
+    if session.get_bind().dialect.name != "postgresql":
+        return utcnow()
+    now: datetime = session.execute(select(func.clock_timestamp())).scalar_one()
+    return now.astimezone(UTC)
 
 
 def rowcount(result: Result[Any]) -> int:

@@ -12,6 +12,10 @@ died or is cut off), or the worker's progress stalls (heartbeats keep coming fro
 thread but the counter they carry has not moved for `stall_seconds`: the worker hangs). The
 reaper marks such attempts `lost` (cause `infrastructure` or `stalled`); see service/reaper.py
 for the grace it gives leases after the service could not hear them.
+
+Both clocks are written and judged by the database's clock (`service.db.database_now`), never
+by a replica's own: replicas whose clocks disagree by a lease would otherwise write leases that
+the others find already run out, or judge live leases run out.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from contracts.reports import (
 )
 from contracts.signature import Digests
 from service.checkpoint import USABLE
-from service.db import rowcount
+from service.db import database_now, rowcount
 from service.errors import ApiError, not_found
 from service.lifecycle import (
     AttemptStatus,
@@ -54,7 +58,6 @@ from service.models import (
     MetricPoint,
     Run,
     Workflow,
-    utcnow,
 )
 
 _STOP_HINT = "stop now and write nothing more; the run is owned by a newer attempt or ended"
@@ -199,7 +202,7 @@ def fence(
     locked until commit, so a report and a concurrent finish (or reaper) serialise. 403
     `forbidden` for another worker token, 409 `superseded` for a stale secret or an attempt
     that no longer runs."""
-    now = utcnow()
+    now = database_now(session)  # one round trip more per report on Postgres
     result = session.execute(
         update(Attempt)
         .where(
@@ -244,7 +247,7 @@ def claim_attempt(
     """Exactly one claimant of a queued attempt wins; the others get 409 `already_claimed`
     (or `superseded` when the attempt is no longer the run's current one). The winner's retry
     (same nonce, same token) gets the same claim back."""
-    now = utcnow()
+    now = database_now(session)
     result = session.execute(
         update(Attempt)
         .where(Attempt.id == attempt_id, Attempt.status == AttemptStatus.QUEUED.value)
@@ -413,7 +416,8 @@ def heartbeat(
         session.rollback()
         return HeartbeatAnswer(action="stop", lease_seconds=lease_seconds)
     if attempt.progress != report.progress:
-        attempt.progress, attempt.progress_at = report.progress, utcnow()
+        # The fence's time: the database's clock, as the stall is judged by it.
+        attempt.progress, attempt.progress_at = report.progress, attempt.heartbeat_at
     # Until the first step: the data file being tokenized into its store, and how far.
     preparing = report.preparing
     attempt.preparing_file = None if preparing is None else preparing.file

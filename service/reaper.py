@@ -28,11 +28,11 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import rowcount
+from service.db import database_now, rowcount
 from service.errors import is_unavailable
 from service.lease import expire_attempt, lease_end
 from service.lifecycle import AttemptStatus, settle_attempt
-from service.models import Attempt, Job, OutboxMessage, Run, utcnow
+from service.models import Attempt, Job, OutboxMessage, Run
 from service.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -218,8 +218,9 @@ class Reaper(Periodic):
         return 2 * self.interval + 1.0
 
     def reap(self, now: datetime | None = None) -> list[str]:
-        """One pass at `now` (default: the current time), then dispatch what it queued."""
-        now = now or utcnow()
+        """One pass at `now` (default: the database's clock, by which leases are written: a
+        replica's own clock may run ahead or behind the others'), then dispatch what it
+        queued."""
         if self._deaf():
             log.warning(
                 "the reaper's last pass ended %.0f s ago (every %.1f s expected): this process "
@@ -229,6 +230,7 @@ class Reaper(Periodic):
             )
             self.owes_grace = True
         try:
+            now = now or self._database_now()
             if self.owes_grace:
                 extended = grant_grace(
                     session_factory=self.session_factory,
@@ -263,6 +265,10 @@ class Reaper(Periodic):
         if reaped or requeued:
             self.dispatch()
         return reaped
+
+    def _database_now(self) -> datetime:
+        with self.session_factory() as session:
+            return database_now(session)
 
     def run_once(self) -> list[str]:
         return self.reap()

@@ -15,6 +15,7 @@ from contracts.paths import DataRoots
 from contracts.signature import FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import devices_refusal
+from service.db import database_now
 from service.digest import resolve_digests
 from service.errors import ApiError
 from service.lease import digests_of, expire_attempt, is_active
@@ -26,7 +27,7 @@ from service.lifecycle import (
     move_run,
     newest_attempt,
 )
-from service.models import Attempt, Run, utcnow
+from service.models import Attempt, Run
 from service.run import (
     InitialCheckpoint,
     get_run,
@@ -214,7 +215,7 @@ def resume_run(
     except ApiError as err:
         _refuse(session, err)
     if current is not None:
-        now = utcnow()
+        now = database_now(session)  # leases are judged by the database's clock
         # Read, not locked: with the run locked no attempt can be added, and locking it would
         # deadlock with a resume that locked it first and now waits for the run.
         newest = newest_attempt(session, run_id)

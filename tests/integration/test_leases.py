@@ -6,7 +6,7 @@ gives leases it could not hear."""
 from __future__ import annotations
 
 import os
-from datetime import timedelta
+from datetime import datetime, timedelta, tzinfo
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from contracts.reports import ClaimRequest
+from service import models
 from service.auth import create_token
 from service.db import make_session_factory, normalize_url
 from service.lease import lease_end
@@ -417,6 +418,58 @@ def test_the_reaper_gives_leases_a_period_of_grace_when_it_starts(
     # A worker that stays silent through the grace is lost one lease later.
     assert reaper.reap(utcnow() + timedelta(seconds=LEASE + 1)) == [attempt_id]
     assert reaper.graces == 1
+
+
+def clock_off_by(seconds: float) -> type[datetime]:
+    """A `datetime` whose `now` is `seconds` off: set as service.models' own, it is the wall
+    clock of this process (this replica) wherever the service asks it (`utcnow`)."""
+    skew = timedelta(seconds=seconds)
+
+    class Skewed(datetime):
+        @classmethod
+        def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
+            return datetime.now(tz) + skew
+
+    return Skewed
+
+
+def test_a_replica_whose_clock_runs_ahead_does_not_reap_a_live_lease(
+    api: Api, tiny_workflow: WorkflowFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leases are judged by the database's clock, not by each replica's own: a replica whose
+    clock runs a lease ahead of the one that wrote the lease would take every live worker for
+    dead."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    assert worker.claim().status_code == 200
+    reaper = reaper_over(api.sessions)
+    assert reaper.reap() == [] and reaper.graces == 1
+    with monkeypatch.context() as replica:
+        replica.setattr(models, "datetime", clock_off_by(2 * LEASE))
+        assert reaper.reap() == []
+    assert attempt_row(api, attempt_id).status == "running"
+    assert worker.heartbeat(1, progress=1).json()["action"] == "continue"
+
+
+def test_a_lease_written_by_a_replica_whose_clock_runs_behind_lasts_a_lease(
+    api: Api, tiny_workflow: WorkflowFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica that takes a claim or a heartbeat writes the lease's end (and the stall
+    clock) by the database's clock too: one whose clock runs behind would write leases that
+    the other replicas find already run out."""
+    reaper = reaper_over(api.sessions)
+    assert reaper.reap() == [] and reaper.graces == 1  # its grace is spent before the claim
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    worker = Claimant(api, attempt_id, api.worker, nonce="n")
+    with monkeypatch.context() as replica:
+        replica.setattr(models, "datetime", clock_off_by(-2 * LEASE))
+        assert worker.claim().status_code == 200
+    assert reaper.reap() == []
+    with monkeypatch.context() as replica:
+        replica.setattr(models, "datetime", clock_off_by(-2 * LEASE))
+        assert worker.heartbeat(1, progress=1).json()["action"] == "continue"
+    assert reaper.reap() == []
+    assert attempt_row(api, attempt_id).status == "running"
 
 
 class FailingOnce:
