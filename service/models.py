@@ -420,3 +420,14 @@ class Worker(Base):
     device_kind: Mapped[str | None] = mapped_column(String(16))
     first_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ReaperState(Base):
+    """One row (`id` 1): when a reaper pass of any replica last reached the database
+    (`heard_at`, by the database's clock). A pass that owes grace gives running leases back
+    the time since then that no pass heard (service/reaper.py); NULL: none ever did."""
+
+    __tablename__ = "reaper_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    heard_at: Mapped[datetime | None]

@@ -4,13 +4,19 @@ new attempt from its latest checkpoint while `max_preemptions` lasts. Jobs (insp
 evaluations) hold no lease: one running longer than `job_timeout` is queued and sent again
 (the first outcome posted is kept).
 
-The reaper never judges a lease by time during which the service could not hear it. When this
-process starts (the service was down, or restarted for a deployment) and when the database
-answers again after a failed pass, the first pass grants grace instead of reaping: every
-running lease is extended to at least one lease period from now, and every stall clock to at
-least one lease period before it would run out (as Nomad resets its nodes' heartbeat timers
-when a new leader takes over). A worker that lives renews its lease within that period; one
-that died is reaped one lease later than it would have been.
+The reaper never judges a lease by time during which the service could not hear it. Every
+pass that reaches the database records when (`ReaperState.heard_at`, by the database's clock,
+as leases are); the service is taken to hear until one interval after a pass, when the next
+is due. When this process starts (the service was down, or restarted for a deployment), when
+the database answers again after a pass that could not reach it, and after this process was
+frozen, the pass first grants grace: every running lease's end, and every stall clock, moves
+on by the time no pass of any replica heard since then, never past one lease from now (as
+Nomad resets its nodes' heartbeat timers when a new leader takes over, but only by the time
+lost). A worker that lives renews its lease within what it had left; one that died is reaped
+once it was heard for a lease in all. A replica that crash-loops, or restarts while others
+hear, thus gives back only the time nobody heard, not a lease per start, which kept dead
+workers' leases alive for as long as the loop lasted. With no pass on record, a first pass
+grants one lease from now.
 
 Safe with several service replicas reaping at once: each attempt is marked by the conditional
 UPDATE in `expire_attempt`, and only the winner settles the run. A reaper that loses (another
@@ -23,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,14 +37,57 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import database_now, rowcount
 from service.errors import is_unavailable
-from service.lease import expire_attempt, lease_end
+from service.lease import expire_attempt
 from service.lifecycle import AttemptStatus, settle_attempt
-from service.models import Attempt, Job, OutboxMessage, Run
+from service.models import Attempt, Job, OutboxMessage, ReaperState, Run
 from service.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
 _BATCH = 100
+
+
+def grace_end(
+    deadline: datetime,
+    *,
+    heard_at: datetime | None,
+    now: datetime,
+    lease: timedelta,
+    interval: timedelta,
+) -> datetime:
+    """Where a deadline (a lease's end, or when a stall would be judged) moves to after the
+    service could not hear: on by the time from one `interval` after the last pass that heard
+    (`heard_at`) until `now`, never past one lease from now, never back. One that ran out while
+    the service heard stays run out; with no pass on record, one lease from now."""
+    ceiling = now + lease
+    if deadline >= ceiling:
+        return deadline
+    if heard_at is None:
+        return ceiling
+    deaf_from = heard_at + interval
+    if deadline <= deaf_from or now <= deaf_from:
+        return deadline
+    return min(deadline + (now - deaf_from), ceiling)
+
+
+def hear(session: Session, now: datetime) -> datetime | None:
+    """Record that a pass reached the database at `now`; returns the previous record. Locks the
+    row (Postgres) until commit: replicas granting grace at once take turns, and the second
+    finds the first's pass."""
+    state = session.get(ReaperState, 1, with_for_update=True)
+    if state is None:  # the row migration 0016 inserts, deleted by hand
+        state = ReaperState(id=1)
+        session.add(state)
+    heard_at = state.heard_at
+    if heard_at is None or heard_at < now:
+        state.heard_at = now
+    return heard_at
+
+
+def record_hearing(*, session_factory: sessionmaker[Session], now: datetime) -> None:
+    with session_factory() as session:
+        hear(session, now)
+        session.commit()
 
 
 def grant_grace(
@@ -46,32 +96,54 @@ def grant_grace(
     now: datetime,
     lease_seconds: float,
     stall_seconds: float | None,
-) -> int:
-    """Give every running attempt one lease period from `now` before its lease or its stall
-    clock may run out (see the module docstring). Two conditional UPDATEs, one transaction;
-    a lease that already runs longer is left alone. Returns how many leases were extended."""
-    grace_end = lease_end(now, lease_seconds)
-    running = Attempt.status == AttemptStatus.RUNNING.value
+    interval: float,
+) -> tuple[int, datetime | None]:
+    """Move every running attempt's lease end and stall clock by `grace_end` (see the module
+    docstring), in one transaction that also records this pass. The running rows are locked
+    meanwhile, so a report cannot renew a lease between its read and its move. Returns how
+    many leases moved, and when a pass last heard before this one (None: never)."""
+    lease, pace = timedelta(seconds=lease_seconds), timedelta(seconds=interval)
+    stall = None if stall_seconds is None else timedelta(seconds=stall_seconds)
     with session_factory() as session:
-        extended = rowcount(
-            session.execute(
-                update(Attempt)
-                .where(running, Attempt.lease_expires_at < grace_end)
-                .values(lease_expires_at=grace_end)
-                .execution_options(synchronize_session=False)
-            )
-        )
-        if stall_seconds is not None:
-            # A stall is judged when progress_at <= now - stall_seconds: not within the grace.
-            stall_floor = grace_end - timedelta(seconds=stall_seconds)
-            session.execute(
-                update(Attempt)
-                .where(running, Attempt.progress_at < stall_floor)
-                .values(progress_at=stall_floor)
-                .execution_options(synchronize_session=False)
-            )
+        heard_at = hear(session, now)
+
+        def end(deadline: datetime) -> datetime:
+            return grace_end(deadline, heard_at=heard_at, now=now, lease=lease, interval=pace)
+
+        running = session.execute(
+            select(Attempt.id, Attempt.lease_expires_at, Attempt.progress_at)
+            .where(Attempt.status == AttemptStatus.RUNNING.value)
+            .order_by(Attempt.id)
+            .with_for_update()
+        ).all()
+        moves, extended = [], 0
+        for attempt_id, lease_ends_at, progress_at in running:
+            move = _moved(attempt_id, lease_ends_at, progress_at, end, stall)
+            if move is not None:
+                moves.append(move)
+                extended += move["lease_expires_at"] != lease_ends_at
+        if moves:
+            session.execute(update(Attempt), moves)  # by primary key: one executemany
         session.commit()
-    return extended
+    return extended, heard_at
+
+
+def _moved(
+    attempt_id: str,
+    lease_ends_at: datetime | None,
+    progress_at: datetime | None,
+    end: Callable[[datetime], datetime],
+    stall: timedelta | None,
+) -> dict[str, Any] | None:
+    """The new lease end and stall clock of one attempt, or None when neither moves."""
+    new_end = None if lease_ends_at is None else end(lease_ends_at)
+    new_progress = progress_at
+    if stall is not None and progress_at is not None:
+        # A stall is judged at progress_at + stall: that is the deadline to move.
+        new_progress = end(progress_at + stall) - stall
+    if (new_end, new_progress) == (lease_ends_at, progress_at):
+        return None
+    return {"id": attempt_id, "lease_expires_at": new_end, "progress_at": new_progress}
 
 
 def reap_expired(
@@ -174,8 +246,9 @@ def requeue_stale_jobs(
 
 class Reaper(Periodic):
     """Runs `reap_expired` every `interval` seconds in a thread, then `dispatch` when it
-    queued new attempts. Its first pass, and the first that works after a failed one, grants
-    grace instead (`grant_grace`)."""
+    queued new attempts. Its first pass, the first that works after one that could not reach
+    the database, and the first after this process was frozen grant grace first
+    (`grant_grace`)."""
 
     name = "reaper"
 
@@ -232,22 +305,9 @@ class Reaper(Periodic):
         try:
             now = now or self._database_now()
             if self.owes_grace:
-                extended = grant_grace(
-                    session_factory=self.session_factory,
-                    now=now,
-                    lease_seconds=self.lease_seconds,
-                    stall_seconds=self.stall_seconds,
-                )
-                self.owes_grace = False
-                self.graces += 1
-                log.info(
-                    "granted %d running leases %.0f s of grace: the service could not hear "
-                    "their workers until now",
-                    extended,
-                    self.lease_seconds,
-                )
-                self._last_pass = self.clock()
-                return []
+                self._grant_grace(now)
+            else:
+                record_hearing(session_factory=self.session_factory, now=now)
             reaped = reap_expired(
                 session_factory=self.session_factory, now=now, stall_seconds=self.stall_seconds
             )
@@ -265,6 +325,25 @@ class Reaper(Periodic):
         if reaped or requeued:
             self.dispatch()
         return reaped
+
+    def _grant_grace(self, now: datetime) -> None:
+        extended, heard_at = grant_grace(
+            session_factory=self.session_factory,
+            now=now,
+            lease_seconds=self.lease_seconds,
+            stall_seconds=self.stall_seconds,
+            interval=self.interval,
+        )
+        self.owes_grace = False
+        self.graces += 1
+        unheard = "unknown: no pass on record" if heard_at is None else f"since {heard_at}"
+        log.info(
+            "granted %d running leases grace (up to %.0f s): the service could not hear their "
+            "workers from one pass interval after the last pass that did (%s) until now",
+            extended,
+            self.lease_seconds,
+            unheard,
+        )
 
     def _database_now(self) -> datetime:
         with self.session_factory() as session:

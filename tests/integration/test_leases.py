@@ -20,7 +20,7 @@ from service import models
 from service.auth import create_token
 from service.db import make_session_factory, normalize_url
 from service.lease import lease_end
-from service.models import Attempt, Checkpoint, Run, utcnow
+from service.models import Attempt, Checkpoint, ReaperState, Run, utcnow
 from service.reaper import Reaper, reap_expired
 from worker.client import ServiceClient, ServiceUnavailable
 from worker.runner import claim_request
@@ -395,15 +395,19 @@ def reaper_over(sessions: Any, **overrides: Any) -> Reaper:
     return Reaper(session_factory=sessions, **values)
 
 
-def test_the_reaper_gives_leases_a_period_of_grace_when_it_starts(
+def test_with_no_pass_on_record_the_reaper_gives_leases_a_lease_of_grace_when_it_starts(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
-    """Leases that ran out while the service was down are not judged by that time: the first
-    pass extends them by one lease; only a worker silent through that period is lost."""
+    """With no reaper pass on record (the first start after migration 0016), how long the
+    service could not hear is unknown: the first pass extends every running lease to one
+    lease from now; only a worker silent through that period is lost."""
     _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
     worker = Claimant(api, attempt_id, api.worker, nonce="n")
     assert worker.claim().status_code == 200
     expire_now(api, attempt_id, seconds_ago=3 * LEASE)
+    with api.sessions() as session:  # forget the app's own first pass
+        session.execute(update(ReaperState).values(heard_at=None))
+        session.commit()
 
     reaper = reaper_over(api.sessions)
     started = utcnow()
@@ -488,21 +492,75 @@ class FailingOnce:
         return session
 
 
+def claimed_at(api: Api, attempt_id: str) -> datetime:
+    """When the claim was taken, by the database's clock (its lease ends one lease later)."""
+    claimed = attempt_row(api, attempt_id).heartbeat_at
+    assert claimed is not None
+    return claimed
+
+
+def seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)
+
+
+def test_a_restart_gives_running_leases_back_the_time_no_replica_heard_them(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """The service down for three leases: the restarted replica's first pass moves every
+    running lease on by the time no pass of any replica heard its worker (from one reaper
+    interval after the last pass on record in the database until now), so a lease has again
+    what it had left when the service went deaf. A dead worker is lost a lease of hearing
+    after its last report."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+    claimed = claimed_at(api, attempt_id)
+    before = reaper_over(api.sessions)
+    assert before.reap(claimed) == [] and before.reap(claimed + seconds(1)) == []
+    back = claimed + seconds(1 + 3 * LEASE)  # the last pass heard until claimed + 2 s
+    after = reaper_over(api.sessions)
+    assert after.reap(back) == [] and after.graces == 1
+    assert attempt_row(api, attempt_id).lease_expires_at == back + seconds(LEASE - 2)
+    assert after.reap(back + seconds(LEASE - 3)) == []
+    assert after.reap(back + seconds(LEASE - 2)) == [attempt_id]
+
+
+def test_a_replica_restarting_in_a_loop_does_not_keep_a_dead_workers_lease_alive(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    """A replica that crashes right after each start's first pass, restarted every two reaper
+    intervals: each start gives leases back only the time no pass heard them, so a dead
+    worker's lease runs out once it was heard for a lease in all (here after two leases).
+    A start that granted a whole lease each time kept it alive as long as the loop lasted."""
+    _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
+    assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+    claimed = claimed_at(api, attempt_id)  # and the worker dies
+    lost_at = None
+    for start in range(int(3 * LEASE / 2)):
+        at = claimed + seconds(2 * start)
+        if reaper_over(api.sessions).reap(at) == [attempt_id]:
+            lost_at = at
+            break
+    assert lost_at is not None, "the dead worker's lease outlived three leases of restarts"
+    assert lost_at <= claimed + seconds(2 * LEASE)
+    assert attempt_row(api, attempt_id).cause == "infrastructure"
+
+
 def test_the_reaper_gives_grace_again_after_the_database_comes_back(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
     _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
-    worker = Claimant(api, attempt_id, api.worker, nonce="n")
-    assert worker.claim().status_code == 200
+    assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+    claimed = claimed_at(api, attempt_id)
     sessions = FailingOnce(api.sessions)
     reaper = reaper_over(sessions)
-    assert reaper.reap() == [] and reaper.graces == 1
+    assert reaper.reap(claimed) == [] and reaper.graces == 1
     sessions.fail = True
-    assert reaper.reap() == []  # the outage: a failed pass
-    expire_now(api, attempt_id, seconds_ago=2 * LEASE)  # workers could not be heard meanwhile
-    assert reaper.reap() == [] and reaper.graces == 2
+    assert reaper.reap(claimed + seconds(1)) == []  # the outage: a failed pass
+    back = claimed + seconds(2 * LEASE)  # workers could not be heard meanwhile
+    assert reaper.reap(back) == [] and reaper.graces == 2
     assert attempt_row(api, attempt_id).status == "running"
-    assert reaper.reap(utcnow() + timedelta(seconds=LEASE + 1)) == [attempt_id]
+    # Heard until one interval after the last pass that worked: the lease had L - 1 s left.
+    assert reaper.reap(back + seconds(LEASE - 1)) == [attempt_id]
 
 
 def test_nothing_is_written_for_an_attempt_with_the_right_secret_but_no_claim(
@@ -572,15 +630,15 @@ def test_a_process_that_was_frozen_grants_grace_before_it_judges_a_lease(
     leases that ran out meanwhile were not heard, and are not judged by that time."""
     _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))
     assert Claimant(api, attempt_id, api.worker, nonce="n").claim().status_code == 200
+    claimed = claimed_at(api, attempt_id)
     clock = [1000.0]
     reaper = reaper_over(api.sessions, clock=lambda: clock[0])
-    assert reaper.reap() == [] and reaper.graces == 1
+    assert reaper.reap(claimed) == [] and reaper.graces == 1
     clock[0] += 1.5
-    assert reaper.reap() == [] and reaper.hearing()
+    assert reaper.reap(claimed + seconds(1.5)) == [] and reaper.hearing()
     clock[0] += 3 * LEASE  # frozen for three leases
     assert not reaper.hearing()
-    expire_now(api, attempt_id, seconds_ago=2 * LEASE)
-    assert reaper.reap() == [] and reaper.graces == 2
+    assert reaper.reap(claimed + seconds(1.5 + 3 * LEASE)) == [] and reaper.graces == 2
     assert attempt_row(api, attempt_id).status == "running"
 
 

@@ -27,6 +27,7 @@ TABLES = {
     "workers",
     "audit_events",
     "run_tags",
+    "reaper_state",
 }
 
 
