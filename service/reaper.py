@@ -75,7 +75,7 @@ def hear(session: Session, now: datetime) -> datetime | None:
     row (Postgres) until commit: replicas granting grace at once take turns, and the second
     finds the first's pass."""
     state = session.get(ReaperState, 1, with_for_update=True)
-    if state is None:  # the row migration 0016 inserts, deleted by hand
+    if state is None:  # the row migration 0014 inserts, deleted by hand
         state = ReaperState(id=1)
         session.add(state)
     heard_at = state.heard_at

@@ -398,7 +398,7 @@ def reaper_over(sessions: Any, **overrides: Any) -> Reaper:
 def test_with_no_pass_on_record_the_reaper_gives_leases_a_lease_of_grace_when_it_starts(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
-    """With no reaper pass on record (the first start after migration 0016), how long the
+    """With no reaper pass on record (the first start after migration 0014), how long the
     service could not hear is unknown: the first pass extends every running lease to one
     lease from now; only a worker silent through that period is lost."""
     _, attempt_id = start_run(api, tiny_workflow(phases=1, steps=4))

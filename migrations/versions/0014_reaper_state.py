@@ -1,6 +1,6 @@
 """add the reaper's record of when a pass last heard the workers
 
-Revision ID: 0016
+Revision ID: 0014
 Revises: 0013
 Create Date: 2026-12-10
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0016"
+revision: str = "0014"
 down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

@@ -1,4 +1,4 @@
-"""Migration 0016: the reaper's record of when a pass last heard the workers, one row that
+"""Migration 0014: the reaper's record of when a pass last heard the workers, one row that
 starts unknown (NULL). Upgrade and downgrade keep every run and attempt, on both databases."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_the_reaper_state_starts_unknown_and_runs_keep_their_rows(
     before = rows(url, ATTEMPTS)
     assert len(before) == 2
 
-    upgrade_database(url, "0016")
+    upgrade_database(url, "0014")
     assert rows(url, "SELECT id, heard_at FROM reaper_state") == [(1, None)]
     assert rows(url, ATTEMPTS) == before
     execute(url, "UPDATE reaper_state SET heard_at = :now")
