@@ -34,6 +34,10 @@ from worker.trainer import PhaseOutcome, train_phase
 
 log = logging.getLogger(__name__)
 
+# Random per process: containers of one image share a hostname and often pid 1, so those two
+# alone would give two processes handed the same message the same nonce, and one claim.
+BOOT_ID = secrets.token_hex(16)
+
 
 def _never() -> bool:
     return False
@@ -77,12 +81,14 @@ def claim_request(delivery: str | None) -> ClaimRequest:
     that message in this process (the client's retries, and Celery's after a claim whose
     answers were all lost), so a retry whose first try won gets the same claim back; another
     process handed the same message (a redelivery) sends another nonce and is refused, so two
-    processes never hold one claim. Without `delivery`, a random nonce (one try only)."""
+    processes never hold one claim, even in two containers with one hostname and pid
+    (`BOOT_ID`). Without `delivery`, a random nonce (one try only)."""
     hostname, pid = socket.gethostname(), os.getpid()
     if delivery is None:
         nonce = secrets.token_hex(16)
     else:
-        nonce = hashlib.sha256(f"{delivery}|{hostname}|{pid}".encode()).hexdigest()[:32]
+        identity = f"{delivery}|{hostname}|{pid}|{BOOT_ID}"
+        nonce = hashlib.sha256(identity.encode()).hexdigest()[:32]
     return ClaimRequest(hostname=hostname, pid=pid, nonce=nonce)
 
 

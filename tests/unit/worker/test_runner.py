@@ -3,7 +3,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +21,7 @@ from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.digest import clear_digest_cache
 from worker.checkpoint import MANIFEST
 from worker.client import ServiceClient, ServiceUnavailable
-from worker.runner import run_attempt, verify_inputs
+from worker.runner import claim_request, run_attempt, verify_inputs
 from worker.settings import WorkerSettings
 
 
@@ -414,3 +417,43 @@ def test_a_pause_heard_by_the_lease_keeper_checkpoints_and_finishes_paused(
     # The keeper's heartbeats follow the loop: steps and progress never go back.
     beats = [(b["step"], b["progress"]) for b in service.keeper_beats]
     assert beats == sorted(beats) and beats[-1][0] == 2
+
+
+# --- the claim's nonce --------------------------------------------------------------------
+
+# One worker process as a container runs it: hostname "trainer", pid 1 (every container of one
+# image has both), claiming for Celery delivery "task-1".
+_CONTAINER_CLAIM = """
+import os, socket
+os.getpid = lambda: 1
+socket.gethostname = lambda: "trainer"
+from worker.runner import claim_request
+print(claim_request("task-1").model_dump_json())
+"""
+
+
+def _claim_in_a_new_process() -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", _CONTAINER_CLAIM],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    assert done.returncode == 0, done.stderr
+    claim: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return claim
+
+
+def test_two_containers_with_one_hostname_and_pid_claim_one_message_with_different_nonces() -> None:
+    """The service hands a claim back to a retry that presents its nonce: two processes that
+    make the same nonce (same delivery, hostname and pid) would share one claim."""
+    first, second = _claim_in_a_new_process(), _claim_in_a_new_process()
+    same = ("trainer", 1)
+    assert (first["hostname"], first["pid"]) == (second["hostname"], second["pid"]) == same
+    assert first["nonce"] != second["nonce"]
+
+
+def test_a_process_retrying_one_message_claims_with_the_same_nonce() -> None:
+    assert claim_request("task-1").nonce == claim_request("task-1").nonce
+    assert claim_request("task-1").nonce != claim_request("task-2").nonce
