@@ -2,7 +2,8 @@
 (`pause`: checkpoint, then finish `paused`; `stop`: stop at once and write nothing more), so a
 worker learns of them within one heartbeat interval. An attempt no worker has claimed yet is
 superseded at once, under its row lock: a claim racing with it either comes first (and the
-worker is told by its heartbeat) or finds it superseded.
+worker is told by its heartbeat) or finds it superseded. The attempt is the run's newest once
+both are locked, even when a phase's finish added the next one meanwhile (`_lock`).
 """
 
 from __future__ import annotations
@@ -20,17 +21,28 @@ from service.lifecycle import (
     attempt_sources,
     lock_current_attempt,
     move_run_racing,
+    newest_attempt,
 )
 from service.models import Attempt, Run, utcnow
 from service.run import get_run
 
 
 def _lock(session: Session, run_id: str) -> tuple[Run, Attempt | None]:
+    """The run and its newest attempt, both locked (the attempt first: the protocol's order).
+    A phase's finish that held the attempt while this waited for it has added the next phase's
+    attempt meanwhile: then the locks are let go and taken again, on that one (as resume checks
+    after locking). Each turn means another attempt was added; with the run locked none can be,
+    so the newest attempt read then is the one that stays."""
     get_run(session=session, run_id=run_id)
-    current = lock_current_attempt(session, run_id)
-    run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
-    assert run is not None
-    return run, current
+    while True:
+        current = lock_current_attempt(session, run_id)
+        run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
+        assert run is not None
+        # Read, not locked: locking an attempt after its run would deadlock with a claim.
+        newest = newest_attempt(session, run_id)
+        if newest is None or (current is not None and newest.id == current.id):
+            return run, current
+        session.rollback()
 
 
 def _run_finished(run: Run, action: str) -> ApiError:
