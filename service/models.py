@@ -235,6 +235,10 @@ class Attempt(Base):
     finished_at: Mapped[datetime | None]
     cause: Mapped[str | None] = mapped_column(String(32))
     message: Mapped[str | None] = mapped_column(Text)
+    # How many times its message was sent again while it stayed queued: no worker claimed it
+    # within TRAINCTL_REDISPATCH_SECONDS though one was free (service.dispatch.
+    # redispatch_unclaimed).
+    redispatches: Mapped[int] = mapped_column(default=0, server_default=text("0"))
 
 
 class Checkpoint(Base):
@@ -337,6 +341,10 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # How many times its message went out to the broker (service.dispatch.dispatch_pending):
+    # the first send, and each one after a worker went silent on it. Past
+    # TRAINCTL_JOB_MAX_DELIVERIES it fails (service.job.fail_exhausted_jobs).
+    deliveries: Mapped[int] = mapped_column(default=0, server_default=text("0"))
 
 
 class OutboxMessage(Base):
@@ -347,6 +355,8 @@ class OutboxMessage(Base):
     __tablename__ = "outbox"
     __table_args__ = (
         Index("ix_outbox_sent_at", "sent_at"),
+        # When an attempt's last message went out (service.dispatch.redispatch_unclaimed).
+        Index("ix_outbox_attempt_id", "attempt_id"),
         CheckConstraint("(attempt_id IS NULL) <> (job_id IS NULL)", name="one_target"),
     )
 
