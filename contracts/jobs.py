@@ -173,6 +173,9 @@ class Job(BaseModel):
     error: str | None = None
     created_at: str
     finished_at: str | None = None
+    # How many times its message went out to a worker (the first time, and again each time its
+    # worker went silent on it for the service's job timeout).
+    deliveries: int = 0
 
 
 class JobOutcome(BaseModel):

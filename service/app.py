@@ -49,6 +49,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         lease_seconds=settings.lease_seconds,
         stall_seconds=settings.stall_seconds,
         job_timeout=settings.job_timeout_seconds,
+        job_max_deliveries=settings.job_max_deliveries,
     )
 
     @asynccontextmanager

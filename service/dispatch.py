@@ -8,7 +8,8 @@ to the queue of its device count (contracts.dispatch.devices_queue: the base que
 device, `<queue>.devices-N` for more), which only workers that own N devices or more consume;
 jobs go to the base queue, which every worker consumes. A row may be sent twice
 (a crash between the send and the mark): workers tolerate that, because a claim has exactly one
-winner and a job's first result is the one kept.
+winner and a job's first result is the one kept. Each send of a job's row counts as one of its
+deliveries (`Job.deliveries`, its budget: service.job.fail_exhausted_jobs).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -102,10 +103,22 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                     session.commit()
                     return sent
                 row.sent_at = utcnow()
+                if row.job_id is not None:
+                    _count_delivery(session, row.job_id)
                 sent += 1
             session.commit()
             if len(rows) < _BATCH:
                 return sent
+
+
+def _count_delivery(session: Session, job_id: str) -> None:
+    # In SQL: a worker's start or finish may write the row meanwhile.
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(deliveries=Job.deliveries + 1)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def queue_of(session: Session, rows: Sequence[OutboxMessage], queue: str) -> dict[int, str]:

@@ -10,13 +10,14 @@ before, and a different one is 409. Functions take a session and plain values.
 from __future__ import annotations
 
 import json
-from datetime import datetime
+import logging
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import update
-from sqlalchemy.orm import Session
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.jobs import (
     EvaluateRequest,
@@ -36,6 +37,10 @@ from service.db import rowcount
 from service.errors import ApiError, not_found, validation_details
 from service.models import Job, OutboxMessage, new_job_id, utcnow
 from service.workflow import outside_roots
+
+log = logging.getLogger(__name__)
+
+_BATCH = 100
 
 # What a succeeded job's result must parse as.
 RESULT_MODELS: dict[str, type[BaseModel]] = {
@@ -285,6 +290,58 @@ def finish_job(
     raise _finished(job)
 
 
+def _never_finished(job_id: str, kind: str, deliveries: int, budget: int, timeout: float) -> str:
+    return (
+        f"{kind} job {job_id} was delivered {deliveries} times (TRAINCTL_JOB_MAX_DELIVERIES="
+        f"{budget}) and its worker never finished it: each time the worker went silent on it "
+        f"for over {timeout:g} s (TRAINCTL_JOB_TIMEOUT_SECONDS), so it probably died on it (out "
+        "of memory, SIGKILL); look for the kill in the workers' logs or the kernel's (dmesg) "
+        "and submit the job again on a worker with more memory, or raise "
+        "TRAINCTL_JOB_TIMEOUT_SECONDS if the job only takes longer"
+    )
+
+
+def fail_exhausted_jobs(
+    *,
+    session_factory: sessionmaker[Session],
+    now: datetime,
+    timeout: float,
+    max_deliveries: int,
+) -> list[str]:
+    """Fail every job running since before `now - timeout` whose message went out
+    `max_deliveries` times already: a job that kills its worker (an out-of-memory kill) would
+    otherwise be sent again after every timeout, for ever (service.reaper.requeue_stale_jobs
+    sends the others again; this runs first). A conditional UPDATE per job: an outcome posted
+    meanwhile wins. Returns the ids failed."""
+    cutoff = now - timedelta(seconds=timeout)
+    exhausted = (
+        Job.status == "running",
+        Job.started_at <= cutoff,
+        Job.deliveries >= max_deliveries,
+    )
+    with session_factory() as session:
+        found = session.execute(
+            select(Job.id, Job.kind, Job.deliveries).where(*exhausted).limit(_BATCH)
+        ).all()
+    failed = []
+    for job_id, kind, deliveries in found:
+        error = _never_finished(job_id, kind, deliveries, max_deliveries, timeout)
+        with session_factory() as session:
+            won = session.execute(
+                update(Job)
+                .where(Job.id == job_id, *exhausted)
+                .values(status="failed", error=error, finished_at=now)
+                .execution_options(synchronize_session=False)
+            )
+            if rowcount(won) != 1:
+                session.rollback()
+                continue
+            session.commit()
+        log.error("%s", error)
+        failed.append(job_id)
+    return failed
+
+
 def _iso(moment: datetime | None) -> str | None:
     return None if moment is None else moment.isoformat()
 
@@ -300,5 +357,6 @@ def job_public(job: Job) -> JobPublic:
             "error": job.error,
             "created_at": job.created_at.isoformat(),
             "finished_at": _iso(job.finished_at),
+            "deliveries": job.deliveries,
         }
     )

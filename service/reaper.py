@@ -2,7 +2,8 @@
 whose progress stalled (their worker hangs) are marked `lost`, and their run recovers with a
 new attempt from its latest checkpoint while `max_preemptions` lasts. Jobs (inspections,
 evaluations) hold no lease: one running longer than `job_timeout` is queued and sent again
-(the first outcome posted is kept).
+(the first outcome posted is kept), until it was delivered `job_max_deliveries` times; then it
+fails (service.job.fail_exhausted_jobs).
 
 The reaper never judges a lease by time during which the service could not hear it. Every
 pass that reaches the database records when (`ReaperState.heard_at`, by the database's clock,
@@ -37,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import database_now, rowcount
 from service.errors import is_unavailable
+from service.job import fail_exhausted_jobs
 from service.lease import expire_attempt
 from service.lifecycle import AttemptStatus, settle_attempt
 from service.models import Attempt, Job, OutboxMessage, ReaperState, Run
@@ -262,6 +264,7 @@ class Reaper(Periodic):
         stall_seconds: float,
         job_timeout: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        job_max_deliveries: int = 3,
     ) -> None:
         super().__init__(interval=interval)
         self.session_factory = session_factory
@@ -270,6 +273,7 @@ class Reaper(Periodic):
         self.stall_seconds = stall_seconds
         self.job_timeout = job_timeout
         self.clock = clock
+        self.job_max_deliveries = job_max_deliveries
         # Set at start and after a pass that could not reach the database: the service could
         # not hear its workers.
         self.owes_grace = True
@@ -310,6 +314,12 @@ class Reaper(Periodic):
                 record_hearing(session_factory=self.session_factory, now=now)
             reaped = reap_expired(
                 session_factory=self.session_factory, now=now, stall_seconds=self.stall_seconds
+            )
+            fail_exhausted_jobs(
+                session_factory=self.session_factory,
+                now=now,
+                timeout=self.job_timeout,
+                max_deliveries=self.job_max_deliveries,
             )
             requeued = requeue_stale_jobs(
                 session_factory=self.session_factory, now=now, timeout=self.job_timeout

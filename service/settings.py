@@ -55,6 +55,9 @@ class ServiceSettings(BaseSettings):
     # A job (inspection, evaluation) running longer than this is sent to a worker again: its
     # worker may have died (jobs hold no lease). The first outcome posted is the one kept.
     job_timeout_seconds: float = Field(default=3600.0, gt=0)
+    # A job is sent at most this many times: one whose worker went silent on it this often
+    # (killed by the job itself, as an out-of-memory kill does) fails instead of going out again.
+    job_max_deliveries: int = Field(default=3, ge=1, le=MAX_BUDGET)
     # Default budgets of a run (POST /runs may set its own): preemptions and lost workers...
     max_preemptions: int = Field(default=10, ge=0, le=MAX_BUDGET)
     # ...and errors with cause `infrastructure`. Other causes fail the run at once.

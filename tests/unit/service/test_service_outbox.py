@@ -154,3 +154,21 @@ def test_an_attempt_goes_to_the_queue_of_its_device_count_and_a_job_to_the_base_
     # The attempts' counts in one query for the pass, not one per row.
     attempt_reads = [s for s in statements if s.lstrip().startswith("SELECT") and "attempts" in s]
     assert len(attempt_reads) == 1, attempt_reads
+
+
+def test_each_send_of_a_job_counts_as_one_delivery_and_a_refused_one_does_not(
+    sessions: sessionmaker[Session],
+) -> None:
+    with sessions() as session:
+        add_job(session, "job_1", "inspection")
+        add_job(session, "job_2", "inspection")
+        session.commit()
+    assert send(sessions, Broker(fail_from=1)) == 1
+    with sessions() as session:
+        # Sent again after its worker went silent (service.reaper.requeue_stale_jobs).
+        session.add(OutboxMessage(job_id="job_1"))
+        session.commit()
+    assert send(sessions, Broker()) == 2
+    with sessions() as session:
+        deliveries = {job.id: job.deliveries for job in session.scalars(select(Job))}
+    assert deliveries == {"job_1": 2, "job_2": 1}
