@@ -621,10 +621,11 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
     ckpt = run.get("latest_checkpoint")
     console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")
     for a in run.get("attempts", []):
+        resent = f", message sent again {n}x" if (n := a.get("redispatches")) else ""
         console.print(
             f"  attempt {a['number']} phase {a['phase_index']} {a['status']} "
             f"on {a.get('worker_hostname') or '-'} pid {a.get('worker_pid') or '-'} "
-            f"({a.get('devices', 1)} dev)"
+            f"({a.get('devices', 1)} dev{resent})"
         )
 
 

@@ -50,6 +50,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         stall_seconds=settings.stall_seconds,
         job_timeout=settings.job_timeout_seconds,
         job_max_deliveries=settings.job_max_deliveries,
+        redispatch_seconds=settings.redispatch_seconds,
+        queue=settings.queue,
     )
 
     @asynccontextmanager

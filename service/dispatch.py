@@ -10,6 +10,11 @@ jobs go to the base queue, which every worker consumes. A row may be sent twice
 (a crash between the send and the mark): workers tolerate that, because a claim has exactly one
 winner and a job's first result is the one kept. Each send of a job's row counts as one of its
 deliveries (`Job.deliveries`, its budget: service.job.fail_exhausted_jobs).
+
+A message the broker took can still be lost (Redis restarted without persistence, a queue
+purged by hand), and its attempt would then stay queued for good: `redispatch_unclaimed`, run
+by the reaper's pass, sends an attempt again when a worker that could take it has been free
+for a while and nobody claimed it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import select, update
+from sqlalchemy import exists, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -32,6 +38,9 @@ from contracts.dispatch import (
     devices_queue,
 )
 from runtime.broker import broker_options
+from service.db import rowcount
+from service.fleet import largest_idle_worker
+from service.lifecycle import AttemptStatus
 from service.models import Attempt, Job, OutboxMessage, utcnow
 from service.periodic import Periodic
 
@@ -145,6 +154,64 @@ def message_of(session: Session, row: OutboxMessage) -> tuple[str, list[Any]]:
     # The foreign key (ON DELETE CASCADE) removes the row with its job.
     assert job is not None, f"outbox row {row.id} names no job"
     return JOB_TASKS[job.kind], [job.id, job.request]
+
+
+def redispatch_unclaimed(
+    *,
+    session_factory: sessionmaker[Session],
+    now: datetime,
+    after: float,
+    lease_seconds: float,
+    queue: str,
+) -> list[str]:
+    """Queue a new outbox row for every attempt still queued `after` seconds after its last
+    message went out (and none waits unsent), when a live worker of `queue` owning as many
+    devices runs nothing (service.fleet.largest_idle_worker): that worker would have claimed
+    it, so its message is lost. With no such worker nothing is sent: a message waiting its turn
+    behind busy workers is not lost, and copies of it would pile up in the broker. Each re-send
+    is counted on the attempt, by a conditional UPDATE that also makes two replicas' passes
+    send it once. Returns the ids sent again; the caller dispatches."""
+    cutoff = now - timedelta(seconds=after)
+    queued = Attempt.status == AttemptStatus.QUEUED.value
+    with session_factory() as session:
+        free = largest_idle_worker(
+            session=session, now=now, lease_seconds=lease_seconds, queue=queue
+        )
+        if free is None:
+            return []
+        recent = exists().where(
+            OutboxMessage.attempt_id == Attempt.id,
+            or_(OutboxMessage.sent_at.is_(None), OutboxMessage.sent_at > cutoff),
+        )
+        due = session.execute(
+            select(Attempt.id, Attempt.redispatches)
+            .where(queued, Attempt.devices <= free, ~recent)
+            .order_by(Attempt.id)
+            .limit(_BATCH)
+        ).all()
+    sent = []
+    for attempt_id, count in due:
+        with session_factory() as session:
+            won = session.execute(
+                update(Attempt)
+                .where(Attempt.id == attempt_id, queued, Attempt.redispatches == count)
+                .values(redispatches=count + 1)
+                .execution_options(synchronize_session=False)
+            )
+            if rowcount(won) != 1:  # claimed, superseded, or sent by another replica
+                session.rollback()
+                continue
+            session.add(OutboxMessage(attempt_id=attempt_id))
+            session.commit()
+        log.warning(
+            "attempt %s is still queued %.0f s after its message went out while a worker is "
+            "free: the broker lost it; sent again (re-send %d)",
+            attempt_id,
+            after,
+            count + 1,
+        )
+        sent.append(attempt_id)
+    return sent
 
 
 class OutboxPump(Periodic):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.db import insert_for
@@ -109,6 +109,24 @@ def largest_live_worker(
         .limit(1)
     ).first()
     return None if found is None else LiveCapacity(devices=int(found[0]), device_kind=found[1])
+
+
+def largest_idle_worker(
+    *, session: Session, now: datetime, lease_seconds: float, queue: str
+) -> int | None:
+    """The most devices one live worker of `queue` that runs no attempt owns (its last claim's
+    attempt, if any, has ended); None when no live worker of the queue is idle. A worker busy
+    with a job counts as idle: the service does not know which worker runs a job. One query."""
+    since = now - timedelta(seconds=lease_seconds)
+    busy = exists().where(
+        Attempt.id == Worker.attempt_id, Attempt.status == AttemptStatus.RUNNING.value
+    )
+    most = session.scalar(
+        select(func.max(func.coalesce(Worker.devices, 1))).where(
+            Worker.last_seen_at >= since, _serves(queue), ~busy
+        )
+    )
+    return None if most is None else int(most)
 
 
 def list_workers(

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
@@ -29,12 +29,12 @@ _REPORTS = ("heartbeat", "metrics", "evals", "checkpoints", "finish", "claim")
 
 
 class DatabaseCollector(Collector):
-    """Gauges read from the database at each scrape."""
+    """Gauges, and a counter, read from the database at each scrape."""
 
     def __init__(self, session_factory: sessionmaker[Session]) -> None:
         self.session_factory = session_factory
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         runs = GaugeMetricFamily("trainctl_runs", "Runs by status.", labels=["status"])
         attempts = GaugeMetricFamily("trainctl_attempts", "Attempts by status.", labels=["status"])
         recoveries = GaugeMetricFamily(
@@ -44,6 +44,11 @@ class DatabaseCollector(Collector):
         )
         jobs = GaugeMetricFamily(
             "trainctl_jobs", "Jobs by kind and status.", labels=["kind", "status"]
+        )
+        redispatches = CounterMetricFamily(
+            "trainctl_attempt_redispatches",
+            "Messages of queued attempts sent again because no free worker claimed them (the "
+            "broker lost them), over the attempts stored.",
         )
         up = GaugeMetricFamily("trainctl_database_up", "1 when the last scrape read the database.")
         try:
@@ -58,6 +63,8 @@ class DatabaseCollector(Collector):
                     attempts.add_metric([status], n)
                 total = session.scalar(select(func.count()).select_from(Attempt)) or 0
                 recoveries.add_metric([], total - _distinct_phases(session))
+                resent = session.scalar(select(func.sum(Attempt.redispatches))) or 0
+                redispatches.add_metric([], resent)
                 for kind, status, n in session.execute(
                     select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)
                 ):
@@ -67,7 +74,7 @@ class DatabaseCollector(Collector):
             up.add_metric([], 0)
             yield up
             return
-        yield from (runs, attempts, recoveries, jobs, up)
+        yield from (runs, attempts, recoveries, redispatches, jobs, up)
 
 
 def _distinct_phases(session: Session) -> int:

@@ -3,7 +3,9 @@ whose progress stalled (their worker hangs) are marked `lost`, and their run rec
 new attempt from its latest checkpoint while `max_preemptions` lasts. Jobs (inspections,
 evaluations) hold no lease: one running longer than `job_timeout` is queued and sent again
 (the first outcome posted is kept), until it was delivered `job_max_deliveries` times; then it
-fails (service.job.fail_exhausted_jobs).
+fails (service.job.fail_exhausted_jobs). The same pass sends a queued attempt's message again
+when no free worker claimed it within `redispatch_seconds` (the broker lost it:
+service.dispatch.redispatch_unclaimed).
 
 The reaper never judges a lease by time during which the service could not hear it. Every
 pass that reaches the database records when (`ReaperState.heard_at`, by the database's clock,
@@ -36,7 +38,9 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.dispatch import DEFAULT_QUEUE
 from service.db import database_now, rowcount
+from service.dispatch import redispatch_unclaimed
 from service.errors import is_unavailable
 from service.job import fail_exhausted_jobs
 from service.lease import expire_attempt
@@ -265,6 +269,8 @@ class Reaper(Periodic):
         job_timeout: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         job_max_deliveries: int = 3,
+        redispatch_seconds: float = 300.0,
+        queue: str = DEFAULT_QUEUE,
     ) -> None:
         super().__init__(interval=interval)
         self.session_factory = session_factory
@@ -274,6 +280,8 @@ class Reaper(Periodic):
         self.job_timeout = job_timeout
         self.clock = clock
         self.job_max_deliveries = job_max_deliveries
+        self.redispatch_seconds = redispatch_seconds
+        self.queue = queue
         # Set at start and after a pass that could not reach the database: the service could
         # not hear its workers.
         self.owes_grace = True
@@ -324,6 +332,13 @@ class Reaper(Periodic):
             requeued = requeue_stale_jobs(
                 session_factory=self.session_factory, now=now, timeout=self.job_timeout
             )
+            resent = redispatch_unclaimed(
+                session_factory=self.session_factory,
+                now=now,
+                after=self.redispatch_seconds,
+                lease_seconds=self.lease_seconds,
+                queue=self.queue,
+            )
         except SQLAlchemyError as err:
             # The database being down is reported by /readyz; one line per pass is enough.
             log.warning("reaper pass failed (%s); retrying in %.1f s", err, self.interval)
@@ -332,7 +347,7 @@ class Reaper(Periodic):
                 self.owes_grace = True
             return []
         self._last_pass = self.clock()
-        if reaped or requeued:
+        if reaped or requeued or resent:
             self.dispatch()
         return reaped
 

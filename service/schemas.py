@@ -152,6 +152,9 @@ class AttemptPublic(BaseModel):
     finished_at: datetime | None
     cause: str | None
     message: str | None
+    # How many times its message was sent again while it waited: no worker claimed it within
+    # TRAINCTL_REDISPATCH_SECONDS though one was free (the broker had lost it).
+    redispatches: int = 0
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -58,6 +58,10 @@ class ServiceSettings(BaseSettings):
     # A job is sent at most this many times: one whose worker went silent on it this often
     # (killed by the job itself, as an out-of-memory kill does) fails instead of going out again.
     job_max_deliveries: int = Field(default=3, ge=1, le=MAX_BUDGET)
+    # An attempt still queued this long after its message went out, while a live worker that
+    # could take it runs nothing, is sent again: the broker lost the message (a Redis restarted
+    # without persistence, a purged queue). A duplicate costs a refused claim.
+    redispatch_seconds: float = Field(default=300.0, gt=0)
     # Default budgets of a run (POST /runs may set its own): preemptions and lost workers...
     max_preemptions: int = Field(default=10, ge=0, le=MAX_BUDGET)
     # ...and errors with cause `infrastructure`. Other causes fail the run at once.
