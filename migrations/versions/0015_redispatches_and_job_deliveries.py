@@ -1,7 +1,7 @@
 """count an attempt's messages sent again and a job's deliveries; index the outbox by attempt
 
 Revision ID: 0015
-Revises: 0013
+Revises: 0014
 Create Date: 2026-12-04
 
 - `attempts.redispatches`: how many times the reaper sent a queued attempt's message again
@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0015"
-down_revision: str | None = "0013"
+down_revision: str | None = "0014"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -55,7 +55,7 @@ def test_attempts_and_jobs_from_before_get_their_counts_and_survive_the_downgrad
     empty_database_url: str,
 ) -> None:
     url = empty_database_url
-    upgrade_database(url, "0013")
+    upgrade_database(url, "0014")
     fill_0013(url)
     assert "ix_outbox_attempt_id" not in outbox_indexes(url)
 
@@ -73,7 +73,7 @@ def test_attempts_and_jobs_from_before_get_their_counts_and_survive_the_downgrad
         "INSERT INTO outbox (attempt_id, created_at) VALUES ('att_old', :now)",
     )
 
-    downgrade_database(url, "0013")
+    downgrade_database(url, "0014")
     assert "redispatches" not in columns(url, "attempts")
     assert "deliveries" not in columns(url, "jobs")
     assert "ix_outbox_attempt_id" not in outbox_indexes(url)
