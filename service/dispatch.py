@@ -38,10 +38,10 @@ from contracts.dispatch import (
     devices_queue,
 )
 from runtime.broker import broker_options
-from service.db import rowcount
+from service.db import database_now, rowcount
 from service.fleet import largest_idle_worker
 from service.lifecycle import AttemptStatus
-from service.models import Attempt, Job, OutboxMessage, utcnow
+from service.models import Attempt, Job, OutboxMessage
 from service.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                 .with_for_update(skip_locked=True)
             ).all()
             queues = queue_of(session, rows, queue)
+            # By the database's clock, as the redispatch pass judges it (one read a batch).
+            now = database_now(session) if rows else None
             for row in rows:
                 task, args = message_of(session, row)
                 target = queues.get(row.id, queue)
@@ -111,7 +113,7 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                     )
                     session.commit()
                     return sent
-                row.sent_at = utcnow()
+                row.sent_at = now
                 if row.job_id is not None:
                     _count_delivery(session, row.job_id)
                 sent += 1

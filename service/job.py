@@ -33,7 +33,7 @@ from contracts.paths import DataRoots, PathUse
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
-from service.db import rowcount
+from service.db import database_now, rowcount
 from service.errors import ApiError, not_found, validation_details
 from service.models import Job, OutboxMessage, new_job_id, utcnow
 from service.workflow import outside_roots
@@ -205,7 +205,7 @@ def start_job(*, session: Session, job_id: str, token_id: str | None = None) -> 
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(("queued", "running")))
-        .values(status="running", started_at=utcnow(), **claim)
+        .values(status="running", started_at=database_now(session), **claim)
         .execution_options(synchronize_session=False)
     )
     if rowcount(result) != 1:

@@ -96,3 +96,31 @@ def test_a_job_whose_worker_dies_past_its_delivery_budget_fails_saying_so(api: A
     assert_error(worker_starts(api, job_id), 409, "job_finished")
     reaper_past_the_timeout(api)
     assert job(api, job_id)["status"] == "failed"
+
+
+def test_a_job_started_through_a_replica_whose_clock_runs_behind_is_not_sent_again_at_once(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's start is written by the database's clock, by which the reaper judges it: a
+    replica whose clock runs a timeout behind would write a start that every pass finds
+    already timed out, and send the job to a second worker while the first still runs it."""
+    from test_leases import clock_off_by
+
+    from service import models
+
+    body = {
+        "path": "train.jsonl",
+        "tokenizer": "tokenizer.json",
+        "objective": "summarization",
+        "sequence_length": 64,
+    }
+    accepted = api.client.post("/datasets/inspect", json=body, headers=api.admin)
+    assert accepted.status_code == 202, accepted.text
+    job_id = accepted.json()["id"]
+    with monkeypatch.context() as replica:
+        replica.setattr(models, "datetime", clock_off_by(-2 * TIMEOUT))
+        assert worker_starts(api, job_id).status_code == 200
+    reaper: Reaper = api.client.app.state.reaper  # type: ignore[attr-defined]
+    reaper.reap()  # now, by the database's clock
+    started = job(api, job_id)
+    assert (started["status"], started["deliveries"], messages_of(api, job_id)) == ("running", 1, 1)
