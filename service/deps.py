@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from contracts.bounds import MAX_NAME
 from service import access
 from service.auth import find_token
 from service.dispatch import OutboxPump
 from service.errors import ApiError
 from service.models import ApiToken, Run
+from service.series import MAX_SERIES_PER_READ
 from service.settings import ServiceSettings
 
 _bearer = HTTPBearer(auto_error=False)
@@ -119,3 +122,36 @@ def load_run(run_id: str, session: SessionDep, token: ApiTokenDep) -> Run:
 
 
 RunDep = Annotated[Run, Depends(load_run)]
+
+
+def metric_names(
+    names: Annotated[
+        str | None,
+        Query(
+            description=f"comma-separated metric names: at most {MAX_SERIES_PER_READ}, each "
+            f"of at most {MAX_NAME} characters"
+        ),
+    ] = None,
+) -> list[str] | None:
+    """The metric names a read asks for (`names`, comma-separated; blanks dropped), or None
+    for the route's default; 422 naming `query.names` past the bounds (MAX_SERIES_PER_READ
+    names, each of MAX_NAME characters, the longest a stored name can be)."""
+    wanted = [name.strip() for name in (names or "").split(",") if name.strip()]
+    long = next((name for name in wanted if len(name) > MAX_NAME), None)
+    why = None
+    if len(wanted) > MAX_SERIES_PER_READ:
+        why = f"names {len(wanted)} metrics; ask for at most {MAX_SERIES_PER_READ} per read"
+    elif long is not None:
+        why = (
+            f"holds a name of {len(long)} characters ({long[:40]!r}...); a metric name has "
+            f"at most {MAX_NAME}"
+        )
+    if why is not None:
+        raise RequestValidationError(
+            [{"loc": ("query", "names"), "msg": why, "type": "value_error"}]
+        )
+    return wanted or None
+
+
+# `names` of a metric read (GET /runs/{id}/metrics and /events), checked: None when not given.
+MetricNamesDep = Annotated[list[str] | None, Depends(metric_names)]

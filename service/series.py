@@ -33,6 +33,10 @@ from service.models import EvalResult, MetricPoint
 
 T = TypeVar("T")
 
+# The most series one read may name (`names` on GET /runs/{id}/metrics and /events), each at
+# most MAX_NAME characters (a metric name's column): a read costs an index range per name.
+MAX_SERIES_PER_READ = 64
+
 
 def stride_indices(n: int, max_points: int | None) -> range | list[int]:
     """Indices keeping at most `max_points` of `n`: every k-th point from the first, plus the

@@ -44,7 +44,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contracts.bounds import MAX_COUNT
 from service import access
-from service.deps import Credentials, authenticate
+from service.deps import Credentials, MetricNamesDep, authenticate
 from service.errors import is_retryable
 from service.lifecycle import FINISHED_RUN, phase_start
 from service.models import Attempt, Checkpoint, EvalResult, MetricPoint, Run
@@ -272,11 +272,6 @@ async def stream_run_events(
             await anyio.sleep(poll_seconds)
 
 
-def _names(names: str | None) -> tuple[str, ...]:
-    wanted = tuple(n.strip() for n in (names or "").split(",") if n.strip())
-    return wanted or DEFAULT_METRICS
-
-
 @router.get(
     "/runs/{run_id}/events",
     responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
@@ -285,19 +280,17 @@ def read_events(
     run_id: str,
     request: Request,
     credentials: Credentials,
+    names: MetricNamesDep,
     metrics_after: Annotated[
         int, Query(ge=-1, le=MAX_COUNT, description="send metric points after this step only")
     ] = -1,
     evals_after: Annotated[
         int, Query(ge=-1, le=MAX_COUNT, description="send evaluations after this step only")
     ] = -1,
-    names: Annotated[
-        str | None,
-        Query(description=f"comma-separated metric names (default: {','.join(DEFAULT_METRICS)})"),
-    ] = None,
 ) -> EventSourceResponse:
     """Server-sent events of the run's progress until it finishes (see the module docstring
-    of service/routes/events.py for the events and their data)."""
+    of service/routes/events.py for the events and their data). `names` default: what workers
+    report every step (loss, lr, lr_muon, grad_norm, tokens_per_s)."""
     sessions: sessionmaker[Session] = request.app.state.session_factory
     # Authorise and look the run up in a session of its own, closed before the stream starts:
     # a stream that lasts hours must not hold a pooled connection.
@@ -308,7 +301,7 @@ def read_events(
         access.run_for(session, token, run_id)
     stream = RunEvents(
         run_id=run_id,
-        names=_names(names),
+        names=names or DEFAULT_METRICS,
         metrics=StepCursor(after=metrics_after),
         evals=StepCursor(after=evals_after),
         lease_seconds=request.app.state.settings.lease_seconds,

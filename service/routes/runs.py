@@ -25,6 +25,7 @@ from service.control import cancel_run, pause_run
 from service.deps import (
     ApiTokenDep,
     LeasesHeardDep,
+    MetricNamesDep,
     PumpDep,
     RunDep,
     SessionDep,
@@ -276,26 +277,25 @@ def read_metrics(
     run: RunDep,
     session: SessionDep,
     request: Request,
-    names: Annotated[str | None, Query(description="comma-separated metric names")] = None,
+    names: MetricNamesDep,
     max_points: MaxPoints = None,
     format: Format = "json",
 ) -> Response:
     """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null. `format=csv`:
     `run_id,name,step,value`, a row per point in (name, step) order, non-finite values empty;
     every point unless `max_points` thins the series (read in pages, streamed)."""
-    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     if format == "csv":
         body = metrics_csv(
             sessions=request.app.state.session_factory,
             run_id=run.id,
-            names=wanted,
+            names=names,
             max_points=max_points,
         )
         return _csv(body, run.id, "metrics")
     # The body as Postgres wrote it (service.series.metric_series_json): no point is parsed
     # or encoded in Python.
     return Response(
-        metric_series_json(session=session, run_id=run.id, names=wanted, max_points=max_points),
+        metric_series_json(session=session, run_id=run.id, names=names, max_points=max_points),
         media_type="application/json",
     )
 

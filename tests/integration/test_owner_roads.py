@@ -1,0 +1,104 @@
+"""Owners on every road, not only the run id (issue 21), against a live `trainctl serve`
+(uvicorn) on its own Postgres database with two user tokens, Alice and Bob: a checkpoint path
+in the artifact store, the fleet list, an Idempotency-Key, a workflow id and an open event
+stream reach no run or workflow its caller may not see; what Bob may not see answers as what
+does not exist. The `names` of metric reads are bounded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from procs import Stack, processes
+
+from contracts.bounds import MAX_NAME
+from service.series import MAX_SERIES_PER_READ
+
+if TYPE_CHECKING:
+    from conftest import WorkflowFactory
+
+pytestmark = pytest.mark.integration
+
+MISSING_RUN = "run_000000000000"
+
+
+class People:
+    """Alice and Bob (user tokens), a viewer and the admin, each a client of one live API."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.admin = stack.api()
+        self.ids: dict[str, str] = {}
+        clients = {"alice": "user", "bob": "user", "viewer": "viewer"}
+        self.alice, self.bob, self.viewer = (
+            self.user(name, role) for name, role in clients.items()
+        )
+
+    def user(self, name: str, role: str) -> httpx.Client:
+        created = self.admin.post("/tokens", json={"name": name, "role": role})
+        assert created.status_code == 201, created.text
+        self.ids[name] = created.json()["token"]["id"]
+        secret = created.json()["secret"]
+        return httpx.Client(
+            base_url=self.stack.url, headers={"Authorization": f"Bearer {secret}"}, timeout=30
+        )
+
+    def close(self) -> None:
+        for client in (self.admin, self.alice, self.bob, self.viewer):
+            client.close()
+
+
+def people(tmp_path: Path, postgres_url: str, procs: list[Any]) -> People:
+    # The data roots hold tmp_path, and so the artifact store: a path into another run's
+    # checkpoints passes the roots, and only its owner may stop it.
+    return People(Stack(tmp_path, postgres_url, procs, TRAINCTL_DATA_ROOT=str(tmp_path / "data")))
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"code", "message", "details"}
+    assert error["code"] == code, error
+    return error
+
+
+def assert_same_answer(
+    foreign: httpx.Response, missing: httpx.Response, swap: tuple[str, str]
+) -> None:
+    """`foreign` (what the caller may not see) answers as `missing` (what does not exist),
+    `swap` being (foreign id, missing id)."""
+    assert foreign.status_code == missing.status_code == 404, (foreign.text, missing.text)
+    seen, absent = foreign.json()["error"], missing.json()["error"]
+    assert json.dumps(seen).replace(*swap) == json.dumps(absent), (seen, absent)
+
+
+def create_run(api: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    response = api.post("/runs", json=body)
+    assert response.status_code == 201, response.text
+    run: dict[str, Any] = response.json()
+    return run
+
+
+def test_the_names_a_metric_read_asks_for_are_bounded(
+    tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
+) -> None:
+    workflow = tiny_workflow(phases=1, steps=4)
+    with processes() as procs:
+        crowd = people(tmp_path, postgres_url, procs)
+        run_id = create_run(crowd.alice, {"workflow": workflow})["id"]
+        at_most = [f"{i:03d}".ljust(MAX_NAME, "x") for i in range(MAX_SERIES_PER_READ)]
+        too_many = [*at_most, "one more"]
+        too_long = ["loss", "y" * (MAX_NAME + 1)]
+        for route in ("metrics", "events"):
+            for names in (too_many, too_long):
+                answer = crowd.alice.get(
+                    f"/runs/{run_id}/{route}", params={"names": ",".join(names)}
+                )
+                error = assert_error(answer, 422, "invalid_request")
+                assert [p["path"] for p in error["details"]] == ["query.names"], error
+        answer = crowd.alice.get(f"/runs/{run_id}/metrics", params={"names": ",".join(at_most)})
+        assert answer.status_code == 200 and answer.json() == {}, answer.text
+        crowd.close()
