@@ -14,7 +14,8 @@ Each event has a name and one JSON object as its `data:`:
 - `end`: `{"status"}`, after the final `run`, `metrics` and `evals` of a finished run; then the
   stream closes. A client that reconnects to a finished run gets its final state and `end` again.
 - `error`: `{"message"}` when the database stopped answering; the stream closes and the client
-  reconnects with the steps it has.
+  reconnects with the steps it has. Also when the stream's token was revoked (or rotated): the
+  stream re-checks it every TOKEN_CHECK_SECONDS and closes, and a reconnect is 401.
 
 A comment line (`: ping - <time>`) every HEARTBEAT_SECONDS keeps proxies from closing an idle
 stream. `metrics_after` and `evals_after` skip the steps a client already read with
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,6 +46,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contracts.bounds import MAX_COUNT
 from service import access
+from service.auth import find_token
 from service.deps import Credentials, MetricNamesDep, authenticate
 from service.errors import is_retryable
 from service.lifecycle import FINISHED_RUN, phase_start
@@ -56,6 +59,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["runs"])
 
 POLL_SECONDS = 1.0
+# How often an open stream looks its token up again (one indexed read, in the session of a
+# poll): a revoked token streams for at most this long, and a poll a second pays no extra query.
+TOKEN_CHECK_SECONDS = 5.0
 HEARTBEAT_SECONDS = 15.0
 # Rows per `metrics` or `evals` event: a client that starts from step 0 gets the history in
 # batches, one right after the other, instead of one event of every point the run has.
@@ -103,7 +109,9 @@ class StepCursor:
 @dataclass
 class Poll:
     events: list[Event]
-    finished: bool  # the run is finished and everything it reported has been sent
+    # The stream ends after these events: the run is finished and everything it reported has
+    # been sent, or the token was refused.
+    finished: bool
     more: bool  # a batch was full: poll again at once
 
 
@@ -237,8 +245,33 @@ class RunEvents:
         return [("evals", {"points": points})], len(rows) == MAX_ROWS_PER_EVENT
 
 
-def _poll_once(sessions: sessionmaker[Session], stream: RunEvents) -> Poll:
+@dataclass
+class TokenCheck:
+    """Whether the bearer token a stream was opened with still authenticates (a revoked or
+    rotated one does not, service.auth.find_token), looked up at most every
+    TOKEN_CHECK_SECONDS."""
+
+    secret: str = field(repr=False)
+    due: float = field(default_factory=lambda: time.monotonic() + TOKEN_CHECK_SECONDS)
+
+    def refused(self, session: Session) -> bool:
+        now = time.monotonic()
+        if now < self.due:
+            return False
+        self.due = now + TOKEN_CHECK_SECONDS
+        return find_token(session=session, token=self.secret) is None
+
+
+_TOKEN_REFUSED = (
+    "the token this stream was opened with was revoked (or rotated); open it again with a "
+    "valid token"
+)
+
+
+def _poll_once(sessions: sessionmaker[Session], stream: RunEvents, token: TokenCheck) -> Poll:
     with sessions() as session:
+        if token.refused(session):
+            return Poll(events=[("error", {"message": _TOKEN_REFUSED})], finished=True, more=False)
         return stream.poll(session)
 
 
@@ -250,13 +283,18 @@ def _encode(name: str, data: dict[str, Any]) -> ServerSentEvent:
 
 
 async def stream_run_events(
-    *, sessions: sessionmaker[Session], stream: RunEvents, poll_seconds: float = POLL_SECONDS
+    *,
+    sessions: sessionmaker[Session],
+    stream: RunEvents,
+    token: TokenCheck,
+    poll_seconds: float = POLL_SECONDS,
 ) -> AsyncIterator[ServerSentEvent]:
-    """The events of `stream`'s run until it is finished. Polls in a worker thread (the
-    database calls block); the event loop only sleeps between polls."""
+    """The events of `stream`'s run until it is finished, or until `token` is refused.
+    Polls in a worker thread (the database calls block); the event loop only sleeps between
+    polls."""
     while True:
         try:
-            poll = await anyio.to_thread.run_sync(partial(_poll_once, sessions, stream))
+            poll = await anyio.to_thread.run_sync(partial(_poll_once, sessions, stream, token))
         except SQLAlchemyError as err:
             if not is_retryable(err):
                 raise
@@ -299,6 +337,7 @@ def read_events(
         if (refused := access.role_refusal(token, "GET", request.url.path)) is not None:
             raise refused
         access.run_for(session, token, run_id)
+    assert credentials is not None  # authenticate answered 401 without
     stream = RunEvents(
         run_id=run_id,
         names=names or DEFAULT_METRICS,
@@ -308,7 +347,9 @@ def read_events(
         queue=request.app.state.settings.queue,
     )
     return EventSourceResponse(
-        stream_run_events(sessions=sessions, stream=stream),
+        stream_run_events(
+            sessions=sessions, stream=stream, token=TokenCheck(secret=credentials.credentials)
+        ),
         ping=HEARTBEAT_SECONDS,
         sep="\n",
         # A client that stops reading (a frozen tab) is dropped instead of buffering forever.

@@ -7,6 +7,8 @@ does not exist. The `names` of metric reads are bounded."""
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,4 +103,57 @@ def test_the_names_a_metric_read_asks_for_are_bounded(
                 assert [p["path"] for p in error["details"]] == ["query.names"], error
         answer = crowd.alice.get(f"/runs/{run_id}/metrics", params={"names": ",".join(at_most)})
         assert answer.status_code == 200 and answer.json() == {}, answer.text
+        crowd.close()
+
+
+class EventStream:
+    """A run's event stream read on a thread; `closed` is set when the server ends it."""
+
+    def __init__(self, client: httpx.Client, run_id: str) -> None:
+        self.events: queue.Queue[str] = queue.Queue()
+        self.lines: list[str] = []
+        self.closed = threading.Event()
+        self.response = client.send(
+            client.build_request("GET", f"/runs/{run_id}/events"), stream=True
+        )
+        assert self.response.status_code == 200
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.response.iter_lines():
+                self.lines.append(line)
+                if line.startswith("event:"):
+                    self.events.put(line.removeprefix("event:").strip())
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.closed.set()
+
+    def next_event(self, timeout: float) -> str:
+        return self.events.get(timeout=timeout)
+
+
+def test_an_event_stream_ends_soon_after_its_token_is_revoked(
+    tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
+) -> None:
+    workflow = tiny_workflow(phases=1, steps=4)
+    with processes() as procs:
+        crowd = people(tmp_path, postgres_url, procs)
+        run = create_run(crowd.alice, {"workflow": workflow})
+        bobs = EventStream(crowd.bob, create_run(crowd.bob, {"workflow": workflow})["id"])
+        stream = EventStream(crowd.alice, run["id"])
+        assert stream.next_event(timeout=30) == "run"
+        assert bobs.next_event(timeout=30) == "run"
+
+        revoked = crowd.admin.delete(f"/tokens/{crowd.ids['alice']}")
+        assert revoked.status_code == 200, revoked.text
+        # The stream re-checks its token every few seconds (service/routes/events.py), and a
+        # queued run's stream has nothing else to end it: only the revocation can.
+        assert stream.closed.wait(timeout=30), "the stream went on after its token was revoked"
+        assert stream.next_event(timeout=1) == "error"
+        assert any("revoked" in line for line in stream.lines if line.startswith("data:"))
+        assert not bobs.closed.is_set(), "Bob's token is still valid: his stream goes on"
+        stream.response.close()
+        bobs.response.close()
         crowd.close()
