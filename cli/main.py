@@ -702,7 +702,10 @@ def workers_list(as_json: JsonOpt = False) -> None:
         table.add_column(column)
     for w in answer["workers"]:
         seen = (now - datetime.fromisoformat(w["last_seen_at"])).total_seconds()
+        # A run the token may not see is not named: the worker is only busy.
         running = f"{w['run_id']} ({w['attempt_id']})" if w.get("run_id") else "-"
+        if running == "-" and w.get("busy"):
+            running = "busy"
         table.add_row(
             w["hostname"],
             str(w["pid"]),

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from service.db import insert_for
 from service.lifecycle import AttemptStatus
-from service.models import Attempt, Worker
+from service.models import Attempt, Run, Worker
 from service.schemas import WorkerPublic, WorkersPublic
 
 # What a worker first heard from by a claim or heartbeat (which carry no version) shows
@@ -130,38 +130,49 @@ def largest_idle_worker(
 
 
 def list_workers(
-    *, session: Session, now: datetime, lease_seconds: float, limit: int
+    *,
+    session: Session,
+    now: datetime,
+    lease_seconds: float,
+    limit: int,
+    owner_id: str | None = None,
 ) -> WorkersPublic:
     """The `limit` workers heard from most recently, newest first, each with the attempt it
-    is running (None when it runs none), and how many there are in all and live."""
+    is running (None when it runs none), and how many there are in all and live. With
+    `owner_id`, the attempt and run of another owner's run are not named: the worker is only
+    `busy`."""
     since = now - timedelta(seconds=lease_seconds)
     running = (
-        select(Attempt.id, Attempt.run_id)
+        select(Attempt.id, Attempt.run_id, Run.owner_id)
+        .join(Run, Run.id == Attempt.run_id)
         .where(Attempt.status == AttemptStatus.RUNNING.value)
         .subquery()
     )
     rows = session.execute(
-        select(Worker, running.c.run_id)
+        select(Worker, running.c.run_id, running.c.owner_id)
         .outerjoin(running, running.c.id == Worker.attempt_id)
         .order_by(Worker.last_seen_at.desc(), Worker.id.desc())
         .limit(limit)
     ).all()
-    workers = [
-        WorkerPublic(
-            hostname=worker.hostname,
-            pid=worker.pid,
-            version=worker.version,
-            queue=worker.queue,
-            live=worker.last_seen_at >= since,
-            first_seen_at=worker.first_seen_at,
-            last_seen_at=worker.last_seen_at,
-            attempt_id=worker.attempt_id if run_id is not None else None,
-            run_id=run_id,
-            devices=worker.devices,
-            device_kind=worker.device_kind,
+    workers = []
+    for worker, run_id, run_owner in rows:
+        shown = run_id is not None and (owner_id is None or run_owner == owner_id)
+        workers.append(
+            WorkerPublic(
+                hostname=worker.hostname,
+                pid=worker.pid,
+                version=worker.version,
+                queue=worker.queue,
+                live=worker.last_seen_at >= since,
+                first_seen_at=worker.first_seen_at,
+                last_seen_at=worker.last_seen_at,
+                busy=run_id is not None,
+                attempt_id=worker.attempt_id if shown else None,
+                run_id=run_id if shown else None,
+                devices=worker.devices,
+                device_kind=worker.device_kind,
+            )
         )
-        for worker, run_id in rows
-    ]
     count = session.scalar(select(func.count()).select_from(Worker)) or 0
     live = (
         session.scalar(select(func.count()).select_from(Worker).where(Worker.last_seen_at >= since))

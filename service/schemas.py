@@ -243,7 +243,10 @@ class WorkerPublic(BaseModel):
     live: bool
     first_seen_at: datetime
     last_seen_at: datetime
-    # The attempt it is running, and its run; None when it runs none.
+    # Whether it is running an attempt, whoever's.
+    busy: bool
+    # The attempt it is running, and its run; None when it runs none, or (to a user token) when
+    # the run is another owner's.
     attempt_id: str | None
     run_id: str | None
     # What its ping says it can run a phase on: `devices` of `device_kind` ("cpu", "cuda").

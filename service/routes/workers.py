@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from contracts.reports import Accepted, WorkerPing
-from service.deps import SessionDep, SettingsDep, WorkerDep, require_api
+from service import access
+from service.deps import ApiTokenDep, SessionDep, SettingsDep, WorkerDep, require_api
 from service.fleet import list_workers, note_worker
 from service.models import utcnow
 from service.schemas import WorkersPublic
@@ -23,13 +24,19 @@ internal_router = APIRouter(prefix="/internal/workers", tags=["internal"])
 def read_workers(
     session: SessionDep,
     settings: SettingsDep,
+    token: ApiTokenDep,
     limit: Annotated[int, Query(ge=1, le=MAX_WORKERS_PAGE)] = 100,
 ) -> WorkersPublic:
     """Workers heard from most recently first, each `live` when heard from within the lease
-    period, with the attempt it is running and the devices its ping says it owns. `count` and
-    `live` are over all pages."""
+    period, `busy` when it runs an attempt, with that attempt and its run (to a user token,
+    only when the run is its own) and the devices its ping says it owns. `count` and `live`
+    are over all pages."""
     return list_workers(
-        session=session, now=utcnow(), lease_seconds=settings.lease_seconds, limit=limit
+        session=session,
+        now=utcnow(),
+        lease_seconds=settings.lease_seconds,
+        limit=limit,
+        owner_id=access.owner_filter(token),
     )
 
 

@@ -400,7 +400,7 @@ function renderWorkers({ workers, count, live }) {
         el(
           "td",
           {},
-          w.run_id ? el("a", { href: `#/runs/${encodeURIComponent(w.run_id)}` }, w.run_id) : "idle",
+          w.run_id ? el("a", { href: `#/runs/${encodeURIComponent(w.run_id)}` }, w.run_id) : w.busy ? "busy" : "idle",
         ),
       ),
     ),

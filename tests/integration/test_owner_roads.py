@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 from procs import Stack, processes
+from weights import write_model_dir
 
 from contracts.bounds import MAX_NAME
 from service.series import MAX_SERIES_PER_READ
@@ -156,4 +158,60 @@ def test_an_event_stream_ends_soon_after_its_token_is_revoked(
         assert not bobs.closed.is_set(), "Bob's token is still valid: his stream goes on"
         stream.response.close()
         bobs.response.close()
+        crowd.close()
+
+
+class Claimed:
+    """A worker's claim of a run's first attempt, over HTTP with the worker token."""
+
+    def __init__(self, stack: Stack, attempt_id: str) -> None:
+        headers = {"Authorization": f"Bearer {stack.worker_token}"}
+        self.client = httpx.Client(base_url=stack.url, headers=headers, timeout=30)
+        self.prefix = f"/internal/attempts/{attempt_id}"
+        body = {"hostname": "gpu-1", "pid": 4242, "nonce": uuid.uuid4().hex}
+        answer = self.client.post(f"{self.prefix}/claim", json=body)
+        assert answer.status_code == 200, answer.text
+        self.claim = answer.json()
+        self.secret = self.claim["fencing_token"]
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return Path(self.claim["artifact_dir"]) / "checkpoints" / f"step-{step:08d}"
+
+    def register(self, step: int) -> dict[str, Any]:
+        """Writes the step's checkpoint where a worker writes it and registers it."""
+        path = write_model_dir(self.checkpoint_dir(step), f"weights at step {step}")
+        ref = {"path": str(path), "step": step, "phase_index": 0, "phase_step": step}
+        answer = self.client.post(
+            f"{self.prefix}/checkpoints", json={"fencing_token": self.secret, "checkpoint": ref}
+        )
+        assert answer.status_code == 200, answer.text
+        registered: dict[str, Any] = answer.json()
+        return registered
+
+    def report_deleted(self, step: int) -> httpx.Response:
+        body = {"fencing_token": self.secret, "step": step, "status": "deleted", "reason": "x"}
+        return self.client.post(f"{self.prefix}/checkpoints/removals", json=body)
+
+
+def test_the_fleet_idempotency_keys_and_workflow_ids_name_no_other_user_s_run(
+    tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
+) -> None:
+    workflow = tiny_workflow(phases=1, steps=4)
+    with processes() as procs:
+        crowd = people(tmp_path, postgres_url, procs)
+        alice, bob, viewer, admin = crowd.alice, crowd.bob, crowd.viewer, crowd.admin
+        alices = create_run(alice, {"workflow": workflow, "name": "alice's"})
+        Claimed(crowd.stack, alices["attempts"][0]["id"])
+
+        # GET /workers: every worker, but the run a worker runs only to who may see it.
+        def running(client: httpx.Client) -> list[tuple[str | None, str | None, bool]]:
+            answer = client.get("/workers")
+            assert answer.status_code == 200, answer.text
+            return [(w["run_id"], w["attempt_id"], w["busy"]) for w in answer.json()["workers"]]
+
+        assert alices["id"] not in bob.get("/workers").text
+        shown = (alices["id"], alices["attempts"][0]["id"], True)
+        for reader in (alice, viewer, admin):
+            assert running(reader) == [shown]
+        assert running(bob) == [(None, None, True)]
         crowd.close()
