@@ -119,17 +119,6 @@ def check_checkpoint_source(session: Session, token: ApiToken, given: object) ->
         )
 
 
-def check_replay(token: ApiToken, run: Run, key: str) -> None:
-    """An Idempotency-Key replay answers the run it created only to a token that may see it."""
-    if not can_see(token, run.owner_id):
-        raise ApiError(
-            409,
-            "idempotency_conflict",
-            f"Idempotency-Key {key!r} was already used by another token; use a new key",
-            None,
-        )
-
-
 @event.listens_for(Session, "before_flush")
 def _stamp_owner(session: Session, _context: Any, _instances: Any) -> None:
     token = actor(session)

@@ -43,9 +43,18 @@ def request_sha256(request: RunCreate) -> str:
     return hashlib.sha256(canonical_json(request.model_dump(mode="json")).encode()).hexdigest()
 
 
-def _replay(*, session: Session, key: str, request_sha: str) -> Run | None:
-    """The run an earlier request with this Idempotency-Key created, if any."""
+def _replay(*, session: Session, key: str, request_sha: str, owner_id: str | None) -> Run | None:
+    """The run an earlier request with this Idempotency-Key created, if any. 409
+    `idempotency_conflict` for another body, and (naming no run) for another owner's run when
+    the caller is limited to `owner_id`: a key must not be a way to learn a run's id."""
     run = session.scalars(select(Run).where(Run.idempotency_key == key)).one_or_none()
+    if run is not None and owner_id is not None and run.owner_id != owner_id:
+        raise ApiError(
+            409,
+            "idempotency_conflict",
+            f"Idempotency-Key {key!r} was already used by another token; use a new key",
+            None,
+        )
     if run is not None and run.request_sha256 != request_sha:
         raise ApiError(
             409,
@@ -204,13 +213,17 @@ def create_run(
     default_max_restarts: int,
     default_max_preemptions: int,
     roots: DataRoots | None = None,
+    owner_id: str | None = None,
 ) -> tuple[Run, bool]:
     """Create a run (or return the one this Idempotency-Key already created) and commit.
     Returns (run, created). The first attempt's outbox row is left for the dispatcher. Every
-    path must resolve inside `roots` (default: data_root alone)."""
+    path must resolve inside `roots` (default: data_root alone). With `owner_id` (the caller's
+    scope, service.access.owner_filter), another owner's runs are as if they did not exist."""
     request_sha = request_sha256(request)
     if idempotency_key is not None:
-        existing = _replay(session=session, key=idempotency_key, request_sha=request_sha)
+        existing = _replay(
+            session=session, key=idempotency_key, request_sha=request_sha, owner_id=owner_id
+        )
         if existing is not None:
             return existing, False
 
@@ -274,7 +287,9 @@ def create_run(
         # Two requests with one Idempotency-Key raced; the other one's run is the answer.
         session.rollback()
         if idempotency_key is not None:
-            existing = _replay(session=session, key=idempotency_key, request_sha=request_sha)
+            existing = _replay(
+                session=session, key=idempotency_key, request_sha=request_sha, owner_id=owner_id
+            )
             if existing is not None:
                 return existing, False
         raise

@@ -113,9 +113,8 @@ def submit_run(
         roots=settings.paths,
         default_max_restarts=settings.max_restarts,
         default_max_preemptions=settings.max_preemptions,
+        owner_id=access.owner_filter(token),
     )
-    if not created and idempotency_key is not None:
-        access.check_replay(token, run, idempotency_key)
     if created:
         # After the response: a slow or dead broker never delays or fails the submission.
         background.add_task(pump.dispatch)

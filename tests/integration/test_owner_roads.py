@@ -214,4 +214,23 @@ def test_the_fleet_idempotency_keys_and_workflow_ids_name_no_other_user_s_run(
         for reader in (alice, viewer, admin):
             assert running(reader) == [shown]
         assert running(bob) == [(None, None, True)]
+
+        # An Idempotency-Key Alice used: Bob's conflict names no run, whatever his body.
+        keyed = {"workflow": workflow, "name": "keyed"}
+        key = {"Idempotency-Key": "nightly-1"}
+        first = alice.post("/runs", json=keyed, headers=key)
+        assert first.status_code == 201, first.text
+        for body in (keyed, {**keyed, "name": "another body"}):
+            conflict = assert_error(
+                bob.post("/runs", json=body, headers=key), 409, "idempotency_conflict"
+            )
+            assert first.json()["id"] not in json.dumps(conflict), conflict
+            assert conflict["details"] is None
+        # Alice herself is told which run her key made.
+        own = assert_error(
+            alice.post("/runs", json={**keyed, "name": "changed"}, headers=key),
+            409,
+            "idempotency_conflict",
+        )
+        assert own["details"] == {"run_id": first.json()["id"]}
         crowd.close()
