@@ -131,6 +131,19 @@ class Workflow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class WorkflowOwner(Base):
+    """A token that stored or ran a workflow (POST /workflows, POST /runs). Workflows are
+    content-addressed, one row per document, so two owners may hold the same one: to a user
+    token, a workflow is its own when a row names it (service.workflow.get_workflow)."""
+
+    __tablename__ = "workflow_owners"
+
+    workflow_id: Mapped[str] = mapped_column(
+        ForeignKey("workflows.id", ondelete="CASCADE"), primary_key=True
+    )
+    owner_id: Mapped[str] = mapped_column(String(MAX_ID), primary_key=True)
+
+
 class Run(Base):
     __tablename__ = "runs"
     __table_args__ = (

@@ -28,6 +28,7 @@ TABLES = {
     "audit_events",
     "run_tags",
     "reaper_state",
+    "workflow_owners",
 }
 
 
