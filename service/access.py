@@ -13,6 +13,10 @@ rides on the request's session (`set_actor`), and a `before_flush` hook stamps i
 run and job, so the functions that create them need not know about owners. Rows created before
 owners were recorded (migration 0010) have no owner: admins and viewers see them, no user does.
 Ownership is by token id, which rotation keeps: a rotated token keeps its runs.
+
+Workflows are content-addressed, so they are owned by a relation (models.WorkflowOwner): every
+token that stored or ran one; a user sees those (service.workflow.get_workflow with
+`owner_filter`). Functions below the routes take that filter as `owner_id`, as list_runs does.
 """
 
 from __future__ import annotations

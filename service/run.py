@@ -36,7 +36,13 @@ from service.schemas import (
     RunPublic,
     RunUpdate,
 )
-from service.workflow import get_workflow, outside_roots, parse_workflow, save_workflow
+from service.workflow import (
+    add_workflow_owner,
+    get_workflow,
+    outside_roots,
+    parse_workflow,
+    save_workflow,
+)
 
 
 def request_sha256(request: RunCreate) -> str:
@@ -231,7 +237,7 @@ def create_run(
         spec = parse_workflow(request.workflow, data_root=data_root, roots=roots)
     else:
         assert request.workflow_id is not None
-        stored = get_workflow(session=session, workflow_id=request.workflow_id)
+        stored = get_workflow(session=session, workflow_id=request.workflow_id, owner_id=owner_id)
         spec = parse_workflow(stored.spec, data_root=data_root, roots=roots)
     initial = (
         None
@@ -280,7 +286,9 @@ def create_run(
     )
     session.add(run)
     try:
-        session.flush()
+        session.flush()  # stamps the run's owner (service.access), who now owns the workflow
+        if run.owner_id is not None:
+            add_workflow_owner(session=session, workflow_id=workflow.id, owner_id=run.owner_id)
         add_attempt(session=session, run=run, phase_index=0)
         session.commit()
     except IntegrityError:

@@ -15,7 +15,7 @@ from contracts.workflow import WorkflowInvalid, json_path, path_fields, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
 from service.db import insert_for
 from service.errors import ApiError, not_found
-from service.models import Workflow, utcnow
+from service.models import Workflow, WorkflowOwner, utcnow
 from service.schemas import WorkflowPublic
 
 
@@ -103,9 +103,27 @@ def save_workflow(*, session: Session, spec: WorkflowSpec) -> tuple[Workflow, bo
     return row, created
 
 
-def get_workflow(*, session: Session, workflow_id: str) -> Workflow:
+def add_workflow_owner(*, session: Session, workflow_id: str, owner_id: str) -> bool:
+    """Record that the token `owner_id` stored or ran the workflow; whether it is new to that
+    token. One statement (INSERT ... ON CONFLICT), safe under concurrent requests. Does not
+    commit."""
+    stmt = (
+        insert_for(session, WorkflowOwner)
+        .values(workflow_id=workflow_id, owner_id=owner_id)
+        .on_conflict_do_nothing(index_elements=["workflow_id", "owner_id"])
+        .returning(WorkflowOwner.workflow_id)
+    )
+    return session.execute(stmt).first() is not None
+
+
+def get_workflow(*, session: Session, workflow_id: str, owner_id: str | None = None) -> Workflow:
+    """The workflow; 404 `workflow_not_found` when it does not exist or, with `owner_id` (the
+    caller's scope, service.access.owner_filter), that owner neither stored nor ran it (the
+    same answer)."""
     row = session.get(Workflow, workflow_id)
-    if row is None:
+    if row is None or (
+        owner_id is not None and session.get(WorkflowOwner, (workflow_id, owner_id)) is None
+    ):
         raise not_found("workflow", workflow_id, "submit it with POST /workflows")
     return row
 

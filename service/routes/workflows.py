@@ -5,9 +5,16 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Response, status
 
 from contracts.workflow import plan
-from service.deps import SessionDep, SettingsDep, require_api
+from service import access
+from service.deps import ApiTokenDep, SessionDep, SettingsDep, require_api
 from service.schemas import WorkflowPublic, WorkflowValidation
-from service.workflow import get_workflow, parse_workflow, save_workflow, workflow_public
+from service.workflow import (
+    add_workflow_owner,
+    get_workflow,
+    parse_workflow,
+    save_workflow,
+    workflow_public,
+)
 
 router = APIRouter(prefix="/workflows", tags=["workflows"], dependencies=[Depends(require_api)])
 
@@ -24,12 +31,18 @@ def validate(doc: WorkflowDocument, settings: SettingsDep) -> WorkflowValidation
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create_workflow(
-    doc: WorkflowDocument, session: SessionDep, settings: SettingsDep, response: Response
+    doc: WorkflowDocument,
+    session: SessionDep,
+    settings: SettingsDep,
+    response: Response,
+    token: ApiTokenDep,
 ) -> WorkflowPublic:
-    """Store a workflow under the SHA-256 of its normalised form: 201 when new, 200 when the
-    same workflow was stored before (same id)."""
+    """Store a workflow under the SHA-256 of its normalised form, owned by the caller among
+    others (service.workflow): 201 when it is new to this token, 200 when this token stored
+    or ran the same workflow (same id) before. Whether another token did is not told."""
     spec = parse_workflow(doc, data_root=settings.data_root, roots=settings.paths)
-    workflow, created = save_workflow(session=session, spec=spec)
+    workflow, _ = save_workflow(session=session, spec=spec)
+    created = add_workflow_owner(session=session, workflow_id=workflow.id, owner_id=token.id)
     session.commit()
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -37,5 +50,10 @@ def create_workflow(
 
 
 @router.get("/{workflow_id}")
-def read_workflow(workflow_id: str, session: SessionDep) -> WorkflowPublic:
-    return workflow_public(get_workflow(session=session, workflow_id=workflow_id))
+def read_workflow(workflow_id: str, session: SessionDep, token: ApiTokenDep) -> WorkflowPublic:
+    """The workflow; to a user token, only one it stored or ran (404 otherwise, as for an id
+    that does not exist)."""
+    workflow = get_workflow(
+        session=session, workflow_id=workflow_id, owner_id=access.owner_filter(token)
+    )
+    return workflow_public(workflow)

@@ -233,4 +233,35 @@ def test_the_fleet_idempotency_keys_and_workflow_ids_name_no_other_user_s_run(
             "idempotency_conflict",
         )
         assert own["details"] == {"run_id": first.json()["id"]}
+
+        # Workflows: a user reads and runs the ones it stored or ran; another user's id
+        # answers as one that does not exist; admins and viewers see them all.
+        stored = alice.post("/workflows", json={**workflow, "name": "alice's document"})
+        assert stored.status_code == 201, stored.text
+        workflow_id = stored.json()["id"]
+        missing = "0" * 64
+        swap = (workflow_id, missing)
+        assert_same_answer(
+            bob.get(f"/workflows/{workflow_id}"), bob.get(f"/workflows/{missing}"), swap
+        )
+        assert_error(bob.get(f"/workflows/{workflow_id}"), 404, "workflow_not_found")
+        assert_same_answer(
+            bob.post("/runs", json={"workflow_id": workflow_id}),
+            bob.post("/runs", json={"workflow_id": missing}),
+            swap,
+        )
+        for reader in (alice, viewer, admin):
+            assert reader.get(f"/workflows/{workflow_id}").status_code == 200
+        assert alice.post("/runs", json={"workflow_id": workflow_id}).status_code == 201
+        ran = alices["workflow_id"]
+        assert alice.get(f"/workflows/{ran}").status_code == 200, "Alice ran it"
+        assert_error(bob.get(f"/workflows/{ran}"), 404, "workflow_not_found")
+        # Bob storing the same document makes it his too: new to him (201), as if no one had.
+        again = bob.post("/workflows", json={**workflow, "name": "alice's document"})
+        assert again.status_code == 201 and again.json()["id"] == workflow_id, again.text
+        assert (
+            bob.post("/workflows", json={**workflow, "name": "alice's document"}).status_code == 200
+        )
+        assert bob.get(f"/workflows/{workflow_id}").status_code == 200
+        assert bob.post("/runs", json={"workflow_id": workflow_id}).status_code == 201
         crowd.close()
