@@ -9,6 +9,10 @@ folder, where trainctl writes the checkpoints of runs. For a directory, every fi
 reader could open (what `contracts.signature.sha256_path` hashes) must resolve inside too: a
 link in a root that points out of it is refused like the path of its target.
 
+A path in a run's folder of the artifact store is another run's checkpoint: the service maps it
+to that run (`DataRoots.in_runs`) and checks it as it checks `{"run", "step"}`, so that a path
+reaches no run its caller may not see and pins what it names.
+
 The rule is applied to absolute paths; the reading side first resolves a relative one against
 its base folder (runtime.path.resolve_path). Nothing here is read but directory entries and
 links.
@@ -68,6 +72,21 @@ class DataRoots:
 
     def allowed(self, use: PathUse) -> tuple[Path, ...]:
         return self.roots + (self.checkpoint_roots if use == "checkpoint" else ())
+
+    def in_runs(self, path: str) -> tuple[str, tuple[str, ...]] | None:
+        """Where `path` (absolute) resolves in the artifact store's runs/ folder: the name of
+        the run folder it lies in (the run's id) and the parts below that folder; None when it
+        resolves elsewhere, or names runs/ itself. Symlinks and `..` are followed first, so a
+        link in a data root into another run's folder is found too."""
+        try:
+            real = _real(path)
+        except (OSError, ValueError, RuntimeError):  # as `refusal`: a path the OS cannot use
+            return None
+        for root in self.checkpoint_roots:
+            if real != root and real.is_relative_to(root):
+                run, *below = real.relative_to(root).parts
+                return run, tuple(below)
+        return None
 
     def describe(self, use: PathUse = "data") -> str:
         """The folders of `use`, for messages: "/srv/data, /srv/shared"."""

@@ -106,23 +106,6 @@ def job_for(session: Session, token: ApiToken, job_id: str, kind: str) -> Job:
     return job
 
 
-def check_checkpoint_source(session: Session, token: ApiToken, given: object) -> None:
-    """Another run's checkpoint as initial weights (schemas.CheckpointOf) only from a run the
-    token may see; one it may not is refused as service.run refuses a run that does not
-    exist (422 `invalid_initial_checkpoint`)."""
-    source_id = getattr(given, "run", None)
-    if not isinstance(source_id, str):
-        return
-    source = session.get(Run, source_id)
-    if source is not None and not can_see(token, source.owner_id):
-        raise ApiError(
-            422,
-            "invalid_initial_checkpoint",
-            f"initial_checkpoint: run {source_id!r} does not exist; list runs with GET /runs",
-            {"run": source_id, "step": getattr(given, "step", None)},
-        )
-
-
 @event.listens_for(Session, "before_flush")
 def _stamp_owner(session: Session, _context: Any, _instances: Any) -> None:
     token = actor(session)

@@ -6,8 +6,9 @@ the reason. Only usable checkpoints are listed by default, handed out as `resume
 as another run's initial checkpoint. A step registered again (a resumed attempt writing it anew)
 is usable again.
 
-Pins: a checkpoint that another run names as its initial checkpoint (`{"run", "step"}`, kept
-in the run's signature components) is pinned while that run may still load it: until it
+Pins: a checkpoint that another run names as its initial checkpoint (`{"run", "step"}`, or a
+path mapped to it, kept in the run's signature components) or as its pretrained model (by its
+registered path, in the run's workflow) is pinned while that run may still load it: until it
 succeeded, and as long as it has no usable checkpoint of its own (a failed or cancelled run
 may be resumed; a resume starts from the run's own latest checkpoint when it has one, and only
 otherwise from the initial checkpoint, which the worker then hashes again). The answer to each
@@ -26,12 +27,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from sqlalchemy import select
+from sqlalchemy import select, union
 from sqlalchemy.orm import Session, aliased
 
+from contracts.paths import DataRoots
 from contracts.workflow import Workflow as WorkflowSpec
+from service.errors import ApiError
 from service.lifecycle import RunStatus
-from service.models import Checkpoint, Run
+from service.models import Checkpoint, Run, Workflow
+from service.schemas import CheckpointOf
 
 USABLE: Final = "usable"
 # What GET /runs/{id}/checkpoints lists: one status, or every checkpoint ever registered.
@@ -62,17 +66,26 @@ def usable_checkpoint(
 
 def pins(*, session: Session, run_id: str) -> dict[int, list[str]]:
     """Step -> the runs that may still load the run's checkpoint at that step as their initial
-    checkpoint: not succeeded, with no usable checkpoint of their own."""
+    checkpoint or pretrained model: not succeeded, with no usable checkpoint of their own."""
     initial = Run.signature_components
     own = aliased(Checkpoint)
     has_own = select(own.id).where(own.run_id == Run.id, own.status == USABLE).exists()
-    query = select(initial[("initial_checkpoint", "step")].as_integer(), Run.id).where(
-        initial[("initial_checkpoint", "run")].as_string() == run_id,
-        Run.status != RunStatus.SUCCEEDED,
-        ~has_own,
+    may_load = (Run.status != RunStatus.SUCCEEDED, ~has_own)
+    named = select(
+        initial[("initial_checkpoint", "step")].as_integer().label("step"), Run.id
+    ).where(initial[("initial_checkpoint", "run")].as_string() == run_id, *may_load)
+    # A pretrained directory in the artifact store is stored as its checkpoint's registered
+    # path (service.workflow.parse_workflow), so the path finds the step.
+    source = aliased(Checkpoint)
+    pretrained = (
+        select(source.step.label("step"), Run.id)
+        .join(Workflow, Workflow.id == Run.workflow_id)
+        .join(source, source.path == Workflow.spec[("model", "pretrained")].as_string())
+        .where(source.run_id == run_id, *may_load)
     )
+    both = union(named, pretrained).subquery()
     pinned: dict[int, list[str]] = defaultdict(list)
-    for step, pinning_run in session.execute(query.order_by(Run.id)):
+    for step, pinning_run in session.execute(select(both).order_by(both.c.id)):
         pinned[step].append(pinning_run)
     return dict(pinned)
 
@@ -80,6 +93,123 @@ def pins(*, session: Session, run_id: str) -> dict[int, list[str]]:
 def pinned_steps(*, session: Session, run_id: str) -> list[int]:
     """The steps of the run's checkpoints that retention must keep, ascending."""
     return sorted(pins(session=session, run_id=run_id))
+
+
+# --- another run's checkpoint as a source ---------------------------------------------------
+#
+# A run's initial checkpoint, its pretrained model and an evaluation may name another run's
+# checkpoint, as `{"run", "step"}` or by a path into that run's folder of the artifact store.
+# Either way it is that run's registered, usable checkpoint at that step, and only of a run the
+# caller may see: the path is mapped to the reference first, and both take one road from there.
+
+# The directory a checkpoint of step N lies in, in its run's folder (service.report
+# .checkpoint_path_of): `checkpoints/step-NNNNNNNN`.
+CHECKPOINTS_DIR: Final = "checkpoints"
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+
+
+def refusal(code: str, field: str, message: str, facts: dict[str, Any]) -> ApiError:
+    """422 `code` about the checkpoint `field` names: `invalid_initial_checkpoint` carries the
+    facts as its details; a request-wide code (`invalid_workflow`, `invalid_request`) a list of
+    problems, this one at its field with the facts as its `checkpoint`."""
+    if code == "invalid_initial_checkpoint":
+        return ApiError(422, code, f"{field}: {message}", facts)
+    problem = {"path": field, "message": message, "checkpoint": facts}
+    return ApiError(422, code, f"{field}: {message}", [problem])
+
+
+def source_run(
+    *, session: Session, run_id: str, owner_id: str | None, field: str, path: str | None = None
+) -> Run:
+    """The run whose checkpoint `field` names; 404 `run_not_found` when it does not exist or,
+    with `owner_id` (the caller's scope, service.access.owner_filter), it is another owner's:
+    one answer for both, naming only what the request gave."""
+    run = session.get(Run, run_id)
+    if run is None or (owner_id is not None and run.owner_id != owner_id):
+        what = f"run {run_id!r} does not exist"
+        if path is not None:
+            what = f"{path} lies in the folder of run {run_id!r}, which does not exist"
+        raise ApiError(
+            404,
+            "run_not_found",
+            f"{field}: {what}; list runs with GET /runs",
+            {"field": field, "run": run_id, **({} if path is None else {"path": path})},
+        )
+    return run
+
+
+def source_checkpoint(
+    *,
+    session: Session,
+    given: CheckpointOf,
+    owner_id: str | None,
+    field: str,
+    code: str,
+    path: str | None = None,
+) -> Checkpoint:
+    """Run `given.run`'s usable checkpoint at `given.step`, its row locked until the caller
+    commits (a run created from it then pins it before a concurrent deletion report is judged).
+    404 as source_run; 422 `code` naming the run and the steps it has when it has none usable
+    at that step (and why, when it was deleted or quarantined)."""
+    source_run(session=session, run_id=given.run, owner_id=owner_id, field=field, path=path)
+    chosen = usable_checkpoint(session=session, run_id=given.run, step=given.step, lock=True)
+    if chosen is not None:
+        return chosen
+    every = list_checkpoints(session=session, run_id=given.run, status="all")
+    steps = [c.step for c in every if c.status == USABLE]
+    available = ", ".join(str(s) for s in steps) or "none yet"
+    facts: dict[str, Any] = {"run": given.run, "step": given.step, "available_steps": steps}
+    removed = next((c for c in every if c.step == given.step), None)
+    what = f"has no registered checkpoint at step {given.step}"
+    if removed is not None:
+        what = (
+            f"no longer has its checkpoint at step {given.step}: {removed.status} "
+            f"({removed.reason})"
+        )
+        facts.update(status=removed.status, reason=removed.reason)
+    raise refusal(
+        code,
+        field,
+        f"run {given.run!r} {what}; its usable checkpoints are at steps: {available} "
+        f"(GET /runs/{given.run}/checkpoints)",
+        facts,
+    )
+
+
+def stored_checkpoint(
+    *,
+    session: Session,
+    path: str,
+    roots: DataRoots,
+    owner_id: str | None,
+    field: str,
+    code: str,
+) -> Checkpoint | None:
+    """The registered checkpoint a path (absolute) names when it resolves into a run's folder
+    of the artifact store; None when it lies elsewhere. Its run is checked first (404 as
+    source_run); a path there that is no checkpoint directory of the run
+    (`checkpoints/step-NNNNNNNN`) is 422 `code`, and one that is goes on as source_checkpoint."""
+    found = roots.in_runs(path)
+    if found is None:
+        return None
+    run_id, below = found
+    source_run(session=session, run_id=run_id, owner_id=owner_id, field=field, path=path)
+    match = _STEP_DIR.fullmatch(below[1]) if len(below) == 2 else None
+    if below[:1] != (CHECKPOINTS_DIR,) or match is None or below[1] != f"step-{int(match[1]):08d}":
+        steps = [c.step for c in list_checkpoints(session=session, run_id=run_id)]
+        raise refusal(
+            code,
+            field,
+            f"{path} lies in run {run_id!r}'s folder but is not one of its checkpoint "
+            f"directories; name one (<artifact root>/runs/{run_id}/{CHECKPOINTS_DIR}/step-N), "
+            f'or give {{"run": {run_id!r}, "step": N}}; its usable checkpoints are at '
+            f"steps: {', '.join(map(str, steps)) or 'none yet'}",
+            {"path": path, "run": run_id, "available_steps": steps},
+        )
+    given = CheckpointOf(run=run_id, step=int(match[1]))
+    return source_checkpoint(
+        session=session, given=given, owner_id=owner_id, field=field, code=code, path=path
+    )
 
 
 # --- what an initial checkpoint is -----------------------------------------------------------

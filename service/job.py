@@ -33,6 +33,7 @@ from contracts.paths import DataRoots, PathUse
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
+from service.checkpoint import stored_checkpoint
 from service.db import database_now, rowcount
 from service.errors import ApiError, not_found, validation_details
 from service.models import Job, OutboxMessage, new_job_id, utcnow
@@ -110,12 +111,20 @@ def resolve_dataset(
 
 
 def resolve_evaluate(
-    request: EvaluateRequest, *, data_root: Path, roots: DataRoots | None = None
+    request: EvaluateRequest,
+    *,
+    data_root: Path,
+    roots: DataRoots | None = None,
+    session: Session | None = None,
+    owner_id: str | None = None,
 ) -> EvaluateRequest:
     """The request with its paths resolved against `data_root`; 422 `path_outside_data_roots`
     when one resolves outside `roots` (default: data_root alone; a checkpoint may also lie in
     the artifact store's runs/), then 422 `invalid_request` naming each field whose file does
-    not exist, and `tokenizer` when it is omitted and the checkpoint directory holds none."""
+    not exist, and `tokenizer` when it is omitted and the checkpoint directory holds none.
+    With `session`, a checkpoint in a run's folder of the artifact store must be that run's
+    registered checkpoint directory, and of a run `owner_id` (the caller's scope) may see
+    (service.checkpoint.stored_checkpoint: 404 `run_not_found` otherwise)."""
     tokenizer = request.tokenizer
     resolved = request.model_copy(
         update={
@@ -129,7 +138,19 @@ def resolve_evaluate(
         ("data", resolved.data, "data"),
         ("tokenizer", resolved.tokenizer, "data"),
     ]
-    _confine("POST /evaluations", fields, roots or DataRoots.of([data_root]))
+    roots = roots or DataRoots.of([data_root])
+    _confine("POST /evaluations", fields, roots)
+    if session is not None and (
+        stored := stored_checkpoint(
+            session=session,
+            path=resolved.checkpoint,
+            roots=roots,
+            owner_id=owner_id,
+            field="checkpoint",
+            code="invalid_request",
+        )
+    ):
+        resolved = resolved.model_copy(update={"checkpoint": stored.path})
     checks: list[tuple[str, str, PathKind]] = [
         ("checkpoint", resolved.checkpoint, "directory"),
         ("data", resolved.data, "file"),

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT, MAX_NAME
+from contracts.paths import RUNS_FOLDER
 from contracts.reports import (
     CheckpointRemoval,
     CheckpointReport,
@@ -25,7 +26,7 @@ from contracts.reports import (
     MetricBatch,
 )
 from contracts.reports import MetricPoint as ReportedPoint
-from service.checkpoint import pins
+from service.checkpoint import CHECKPOINTS_DIR, pins
 from service.db import insert_for
 from service.errors import ApiError
 from service.lease import fence
@@ -52,7 +53,7 @@ def checkpoint_path_of(artifact_root: Path, run_id: str, step: int) -> Path:
     """Where a run's checkpoint of `step` lives, as the worker writes it
     (`<artifact_root>/runs/<run_id>/checkpoints/step-NNNNNNNN`), judged on the text of the path
     (the service need not see the artifact store)."""
-    directory = artifact_root / "runs" / run_id / "checkpoints" / f"step-{step:08d}"
+    directory = artifact_root / RUNS_FOLDER / run_id / CHECKPOINTS_DIR / f"step-{step:08d}"
     return Path(os.path.normpath(directory))
 
 
@@ -451,8 +452,8 @@ def _pinned(checkpoint: Checkpoint, needed_by: list[str]) -> ApiError:
         409,
         "checkpoint_pinned",
         f"step {checkpoint.step}: the checkpoint {checkpoint.path} of run {checkpoint.run_id} "
-        f"is the initial checkpoint of run(s) {runs}, which may still start from it (not "
-        "succeeded, no checkpoint of their own yet); retention must keep it while they need "
-        "it (the answer to each checkpoint registration lists the pinned steps)",
+        f"is the initial checkpoint or pretrained model of run(s) {runs}, which may still start "
+        "from it (not succeeded, no checkpoint of their own yet); retention must keep it while "
+        "they need it (the answer to each checkpoint registration lists the pinned steps)",
         {"run_id": checkpoint.run_id, "step": checkpoint.step, "pinned_by": needed_by},
     )

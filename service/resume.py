@@ -66,16 +66,18 @@ def resume_inputs(
     request: RunResume,
     data_root: Path,
     roots: DataRoots | None = None,
+    owner_id: str | None = None,
 ) -> tuple[WorkflowSpec, InitialCheckpoint | None]:
     """The workflow and initial checkpoint the request gives, or those stored where it gives
     nothing, their paths inside `roots` (default: data_root alone) and a given initial
-    checkpoint checked for what it is (service.run.check_initial_checkpoint). Reads the
-    database; hashes nothing."""
+    checkpoint checked for what it is (service.run.check_initial_checkpoint); another run's
+    checkpoint only of a run `owner_id` (the caller's scope) may see. Reads the database;
+    hashes nothing."""
     if request.workflow is not None:
-        spec = parse_workflow(request.workflow, data_root=data_root, roots=roots)
+        doc = request.workflow
     else:
-        stored = get_workflow(session=session, workflow_id=run.workflow_id)
-        spec = parse_workflow(stored.spec, data_root=data_root, roots=roots)
+        doc = get_workflow(session=session, workflow_id=run.workflow_id).spec
+    spec = parse_workflow(doc, data_root=data_root, roots=roots, session=session, owner_id=owner_id)
     if request.initial_checkpoint is None:
         return spec, InitialCheckpoint.from_components(run.signature_components)
     initial = resolve_initial_checkpoint(
@@ -84,6 +86,7 @@ def resume_inputs(
         data_root=data_root,
         roots=roots,
         spec=spec,
+        owner_id=owner_id,
     )
     return spec, initial
 
@@ -171,6 +174,7 @@ def resume_run(
     data_root: Path,
     judge_leases: bool = True,
     roots: DataRoots | None = None,
+    owner_id: str | None = None,
 ) -> tuple[Run, Attempt | None]:
     """Check the signature, then: a succeeded run is a no-op (no attempt); an active one (a
     paused one whose worker is still writing its checkpoint, too) is 409 `run_active`;
@@ -180,10 +184,16 @@ def resume_run(
     resolve inside `roots` (default: data_root alone). `request.devices`, checked against
     the grad_accum of the phases still to run (422 `invalid_devices`), becomes the run's
     device count: the new attempt and every later one run on it. It is not signed, so a
-    different count is never a signature mismatch."""
+    different count is never a signature mismatch. With `owner_id` (the caller's scope),
+    another owner's run is never a source of weights (service.checkpoint.source_run)."""
     run = get_run(session=session, run_id=run_id)
     spec, initial = resume_inputs(
-        session=session, run=run, request=request, data_root=data_root, roots=roots
+        session=session,
+        run=run,
+        request=request,
+        data_root=data_root,
+        roots=roots,
+        owner_id=owner_id,
     )
     if run.status != RunStatus.SUCCEEDED:
         # Before hashing, so that a refused count costs no reads; checked again under the

@@ -22,7 +22,13 @@ from contracts.signature import Digests, Signature, canonical_json, compute_sign
 from contracts.workflow import Plan, plan
 from contracts.workflow import Workflow as WorkflowSpec
 from runtime.path import resolve_path
-from service.checkpoint import USABLE, checkpoint_problem, list_checkpoints, usable_checkpoint
+from service.checkpoint import (
+    USABLE,
+    checkpoint_problem,
+    refusal,
+    source_checkpoint,
+    stored_checkpoint,
+)
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.fleet import LiveCapacity, largest_live_worker
@@ -30,6 +36,7 @@ from service.lifecycle import AttemptStatus, RunStatus, add_attempt, budget_use,
 from service.models import Attempt, Checkpoint, Run, RunTag, new_run_id, utcnow
 from service.schemas import (
     AttemptPublic,
+    CheckpointOf,
     CheckpointSummary,
     InitialCheckpointIn,
     RunCreate,
@@ -42,6 +49,7 @@ from service.workflow import (
     outside_roots,
     parse_workflow,
     save_workflow,
+    stored_pretrained,
 )
 
 
@@ -89,10 +97,6 @@ class InitialCheckpoint:
         return cls(path=stored["path"], run=stored.get("run"), step=stored.get("step"))
 
 
-def _invalid_initial_checkpoint(message: str, details: dict[str, Any]) -> ApiError:
-    return ApiError(422, "invalid_initial_checkpoint", f"initial_checkpoint: {message}", details)
-
-
 def resolve_initial_checkpoint(
     *,
     session: Session,
@@ -100,44 +104,35 @@ def resolve_initial_checkpoint(
     data_root: Path,
     roots: DataRoots | None = None,
     spec: WorkflowSpec | None = None,
+    owner_id: str | None = None,
 ) -> InitialCheckpoint:
-    """A local path (relative to data_root), or another run's usable checkpoint at a step;
-    422 `invalid_initial_checkpoint` naming the run and the steps it has when there is none (or
-    the one at that step was deleted or quarantined, and why). The chosen checkpoint's row stays
-    locked until the caller commits: the run that names it is then a pin that a concurrent
-    report of its deletion sees (service.checkpoint). With `spec`, the checkpoint is checked
-    (check_initial_checkpoint) against `roots` (default: data_root alone) and the model."""
+    """A local path (relative to data_root), or another run's usable checkpoint at a step:
+    `{"run", "step"}`, or a path into that run's folder of the artifact store (`roots`), taken
+    as that reference. Another run's is checked by service.checkpoint.source_checkpoint: 404
+    `run_not_found` when the run does not exist or, with `owner_id` (the caller's scope), is
+    another owner's; 422 `invalid_initial_checkpoint` naming the steps it has when it has none
+    usable at that step. Its row stays locked until the caller commits: the run that names it
+    is then a pin that a concurrent report of its deletion sees. With `spec`, the checkpoint is
+    checked (check_initial_checkpoint) against `roots` (default: data_root alone) and the
+    model."""
+    field, code = "initial_checkpoint", "invalid_initial_checkpoint"
     if isinstance(given, str):
         # A path the OS cannot use is kept as given; reading it is refused as `missing_input`.
-        local = InitialCheckpoint(path=resolve_path(given, data_root))
-        if spec is not None:
-            check_initial_checkpoint(local, spec, roots or DataRoots.of([data_root]))
-        return local
-    if session.get(Run, given.run) is None:
-        raise _invalid_initial_checkpoint(
-            f"run {given.run!r} does not exist; list runs with GET /runs",
-            {"run": given.run, "step": given.step},
+        path = resolve_path(given, data_root)
+        confined = roots or DataRoots.of([data_root])
+        chosen = stored_checkpoint(
+            session=session, path=path, roots=confined, owner_id=owner_id, field=field, code=code
         )
-    chosen = usable_checkpoint(session=session, run_id=given.run, step=given.step, lock=True)
-    if chosen is None:
-        every = list_checkpoints(session=session, run_id=given.run, status="all")
-        steps = [c.step for c in every if c.status == USABLE]
-        available = ", ".join(str(s) for s in steps) or "none yet"
-        details: dict[str, Any] = {"run": given.run, "step": given.step, "available_steps": steps}
-        removed = next((c for c in every if c.step == given.step), None)
-        what = f"has no registered checkpoint at step {given.step}"
-        if removed is not None:
-            what = (
-                f"no longer has its checkpoint at step {given.step}: {removed.status} "
-                f"({removed.reason})"
-            )
-            details.update(status=removed.status, reason=removed.reason)
-        raise _invalid_initial_checkpoint(
-            f"run {given.run!r} {what}; its usable checkpoints are at steps: {available} "
-            f"(GET /runs/{given.run}/checkpoints)",
-            details,
+        if chosen is None:
+            local = InitialCheckpoint(path=path)
+            if spec is not None:
+                check_initial_checkpoint(local, spec, confined)
+            return local
+    else:
+        chosen = source_checkpoint(
+            session=session, given=given, owner_id=owner_id, field=field, code=code
         )
-    initial = InitialCheckpoint(path=chosen.path, run=given.run, step=given.step)
+    initial = InitialCheckpoint(path=chosen.path, run=chosen.run_id, step=chosen.step)
     if spec is not None:
         # A worker wrote it in the artifact store: confined when the roots name that store.
         check_initial_checkpoint(initial, spec, roots)
@@ -161,7 +156,9 @@ def check_initial_checkpoint(
         details: dict[str, Any] = {"path": initial.path, "problem": why}
         if initial.run is not None:
             details.update(run=initial.run, step=initial.step)
-        raise _invalid_initial_checkpoint(
+        raise refusal(
+            "invalid_initial_checkpoint",
+            "initial_checkpoint",
             f"{why}; give a safetensors file or a save_pretrained directory (config.json and "
             "model.safetensors) of the workflow's model",
             details,
@@ -180,17 +177,18 @@ def recheck_initial_checkpoint(
     deleted or quarantined meanwhile, 409 `initial_checkpoint_changed` when its step now
     points at other files than those hashed. A local path needs nothing: its bytes are what
     was hashed."""
-    if given is None or isinstance(given, str):
+    if given is None or hashed is None or hashed.run is None or hashed.step is None:
         return
-    now = resolve_initial_checkpoint(session=session, given=given, data_root=data_root)
+    source = CheckpointOf(run=hashed.run, step=hashed.step)
+    now = resolve_initial_checkpoint(session=session, given=source, data_root=data_root)
     if now != hashed:
         raise ApiError(
             409,
             "initial_checkpoint_changed",
-            f"initial_checkpoint: run {given.run!r}'s checkpoint at step {given.step} changed "
-            f"while it was hashed (it was {hashed.path if hashed else None}, now {now.path}); "
-            "send the request again",
-            {"run": given.run, "step": given.step},
+            f"initial_checkpoint: run {source.run!r}'s checkpoint at step {source.step} "
+            f"changed while it was hashed (it was {hashed.path}, now {now.path}); send the "
+            "request again",
+            {"run": source.run, "step": source.step},
         )
 
 
@@ -234,11 +232,11 @@ def create_run(
             return existing, False
 
     if request.workflow is not None:
-        spec = parse_workflow(request.workflow, data_root=data_root, roots=roots)
+        doc = request.workflow
     else:
         assert request.workflow_id is not None
-        stored = get_workflow(session=session, workflow_id=request.workflow_id, owner_id=owner_id)
-        spec = parse_workflow(stored.spec, data_root=data_root, roots=roots)
+        doc = get_workflow(session=session, workflow_id=request.workflow_id, owner_id=owner_id).spec
+    spec = parse_workflow(doc, data_root=data_root, roots=roots, session=session, owner_id=owner_id)
     initial = (
         None
         if request.initial_checkpoint is None
@@ -248,6 +246,7 @@ def create_run(
             data_root=data_root,
             roots=roots,
             spec=spec,
+            owner_id=owner_id,
         )
     )
     # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
@@ -261,6 +260,10 @@ def create_run(
     # a run created meanwhile with this Idempotency-Key is caught by its unique index below.
     recheck_initial_checkpoint(
         session=session, given=request.initial_checkpoint, hashed=initial, data_root=data_root
+    )
+    # The same for a pretrained model from another run: its row locked until the run pins it.
+    stored_pretrained(
+        spec.normalized(), session=session, roots=roots or DataRoots.of([data_root]), owner_id=None
     )
     workflow, _ = save_workflow(session=session, spec=spec)
     run = Run(

@@ -13,6 +13,7 @@ from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import WorkflowInvalid, json_path, path_fields, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
+from service.checkpoint import stored_checkpoint
 from service.db import insert_for
 from service.errors import ApiError, not_found
 from service.models import Workflow, WorkflowOwner, utcnow
@@ -57,18 +58,28 @@ def workflow_path_fields(doc: dict[str, Any]) -> list[tuple[str, str, PathUse]]:
     ]
 
 
-def parse_workflow(doc: Any, *, data_root: Path, roots: DataRoots | None = None) -> WorkflowSpec:
+def parse_workflow(
+    doc: Any,
+    *,
+    data_root: Path,
+    roots: DataRoots | None = None,
+    session: Session | None = None,
+    owner_id: str | None = None,
+) -> WorkflowSpec:
     """Validate a submitted document, relative paths resolved against `data_root`, and check
     the files it names. 422 `path_outside_data_roots` when a file resolves outside `roots`
-    (default: `data_root` alone), before anything about the files is looked at; 422
-    `invalid_workflow` lists every other problem as `{path, message}`."""
+    (default: `data_root` alone), before anything about the files is looked at; with
+    `session`, a pretrained directory in a run's folder of the artifact store then as
+    `stored_pretrained`; 422 `invalid_workflow` lists every other problem as
+    `{path, message}`."""
     if isinstance(doc, dict):
         doc = resolve_paths(doc, data_root)
-        refused = outside_roots(
-            workflow_path_fields(doc), roots or DataRoots.of([data_root]), where="workflow"
-        )
+        roots = roots or DataRoots.of([data_root])
+        refused = outside_roots(workflow_path_fields(doc), roots, where="workflow")
         if refused is not None:
             raise refused
+        if session is not None:
+            doc = stored_pretrained(doc, session=session, roots=roots, owner_id=owner_id)
     try:
         return validate_workflow_with_files(doc)
     except WorkflowInvalid as err:
@@ -79,6 +90,33 @@ def parse_workflow(doc: Any, *, data_root: Path, roots: DataRoots | None = None)
             f"the workflow has {count} problem{'s' if count != 1 else ''}: {err}",
             [p.model_dump() for p in err.problems],
         ) from None
+
+
+def stored_pretrained(
+    doc: dict[str, Any], *, session: Session, roots: DataRoots, owner_id: str | None
+) -> dict[str, Any]:
+    """A (resolved) document whose `model.pretrained` lies in a run's folder of the artifact
+    store, naming that run's registered checkpoint by its registered path (the path that pins
+    it, service.checkpoint.pins), its row locked until the caller commits; 404 `run_not_found`
+    for a run `owner_id` (the caller's scope) may not see, 422 `invalid_workflow` for no
+    usable checkpoint there (service.checkpoint.stored_checkpoint). Any other document as it
+    is."""
+    model = doc.get("model")
+    pretrained = model.get("pretrained") if isinstance(model, dict) else None
+    if not isinstance(pretrained, str):
+        return doc
+    stored = stored_checkpoint(
+        session=session,
+        path=pretrained,
+        roots=roots,
+        owner_id=owner_id,
+        field="model.pretrained",
+        code="invalid_workflow",
+    )
+    if stored is None:
+        return doc
+    assert isinstance(model, dict)
+    return {**doc, "model": {**model, "pretrained": stored.path}}
 
 
 def workflow_id_of(spec: WorkflowSpec) -> str:

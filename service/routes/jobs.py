@@ -104,10 +104,18 @@ def evaluate_checkpoint(
     pump: PumpDep,
     response: Response,
     background: BackgroundTasks,
+    token: ApiTokenDep,
 ) -> JobPublic:
     """Evaluate any `save_pretrained` directory on one task's data, outside any run, on a
-    worker: 202 with the queued job; its result is a contracts.reports.EvalResult."""
-    request = resolve_evaluate(body, data_root=settings.data_root, roots=settings.paths)
+    worker: 202 with the queued job; its result is a contracts.reports.EvalResult. A run's
+    checkpoint (by its path in the artifact store) only of a run the token may see."""
+    request = resolve_evaluate(
+        body,
+        data_root=settings.data_root,
+        roots=settings.paths,
+        session=session,
+        owner_id=access.owner_filter(token),
+    )
     audit.expect(session, "job.create", details={"kind": "evaluation"})
     job = create_job(session=session, kind="evaluation", request=request)
     _accepted(job, response, background, pump)

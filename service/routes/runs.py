@@ -104,7 +104,6 @@ def submit_run(
     """Validate, sign and store a run with its first attempt; 201. The same Idempotency-Key
     and body again answer 200 with the same run; another body with that key, 409."""
     audit.expect(session, "run.create")  # the run is owned by `token` (service.access)
-    access.check_checkpoint_source(session, token, body.initial_checkpoint)
     run, created = create_run(
         session=session,
         request=body,
@@ -236,7 +235,6 @@ def resume(
     names each remaining phase whose grad_accum it does not divide (`phases[i].grad_accum`)."""
     devices = body.devices if body is not None else None
     audit.expect(session, "run.resume", run.id, None if devices is None else {"devices": devices})
-    access.check_checkpoint_source(session, token, body and body.initial_checkpoint)
     resumed, attempt = resume_run(
         session=session,
         run_id=run.id,
@@ -244,6 +242,7 @@ def resume(
         data_root=settings.data_root,
         roots=settings.paths,
         judge_leases=heard,
+        owner_id=access.owner_filter(token),
     )
     if attempt is not None:
         background.add_task(pump.dispatch)

@@ -22,10 +22,19 @@ WorkflowDocument = Annotated[Any, Body(description="a workflow document (JSON ob
 
 
 @router.post("/validate")
-def validate(doc: WorkflowDocument, settings: SettingsDep) -> WorkflowValidation:
+def validate(
+    doc: WorkflowDocument, session: SessionDep, settings: SettingsDep, token: ApiTokenDep
+) -> WorkflowValidation:
     """The plan of a valid workflow, or 422 `invalid_workflow` listing every problem (422
-    `path_outside_data_roots` when a file lies outside TRAINCTL_DATA_ROOTS)."""
-    spec = parse_workflow(doc, data_root=settings.data_root, roots=settings.paths)
+    `path_outside_data_roots` when a file lies outside TRAINCTL_DATA_ROOTS; 404
+    `run_not_found` for a pretrained model in the folder of a run the token may not see)."""
+    spec = parse_workflow(
+        doc,
+        data_root=settings.data_root,
+        roots=settings.paths,
+        session=session,
+        owner_id=access.owner_filter(token),
+    )
     return WorkflowValidation(valid=True, plan=plan(spec))
 
 
@@ -40,7 +49,13 @@ def create_workflow(
     """Store a workflow under the SHA-256 of its normalised form, owned by the caller among
     others (service.workflow): 201 when it is new to this token, 200 when this token stored
     or ran the same workflow (same id) before. Whether another token did is not told."""
-    spec = parse_workflow(doc, data_root=settings.data_root, roots=settings.paths)
+    spec = parse_workflow(
+        doc,
+        data_root=settings.data_root,
+        roots=settings.paths,
+        session=session,
+        owner_id=access.owner_filter(token),
+    )
     workflow, _ = save_workflow(session=session, spec=spec)
     created = add_workflow_owner(session=session, workflow_id=workflow.id, owner_id=token.id)
     session.commit()

@@ -120,8 +120,8 @@ def test_a_user_sees_and_controls_only_its_own_runs_and_jobs(
                     "/runs",
                     json={"workflow": workflow, "initial_checkpoint": {"run": bobs, "step": 4}},
                 ),
-                422,
-                "invalid_initial_checkpoint",
+                404,
+                "run_not_found",
             )
             assert "does not exist" in error["message"]
             # Bob's Idempotency-Key does not hand Bob's run to Alice.

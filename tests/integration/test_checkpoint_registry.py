@@ -163,6 +163,36 @@ def test_a_checkpoint_another_unfinished_run_starts_from_is_pinned(
     }
 
 
+def test_a_checkpoint_named_by_its_path_or_as_a_pretrained_model_is_pinned_as_well(
+    any_api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    api = any_api
+    doc = tiny_workflow(phases=1, steps=20)
+    _, attempt_id = start_run(api, doc)
+    source = claimed(api, attempt_id)
+    register(source, 4)
+    path = f"{source.claimed['artifact_dir']}/checkpoints/step-{4:08d}"
+    pinning = []
+    for body in (
+        {"workflow": doc, "initial_checkpoint": path},
+        {"workflow": {**doc, "model": {"pretrained": path}}},
+    ):
+        created = api.client.post("/runs", json=body, headers=api.admin)
+        assert created.status_code == 201, created.text
+        pinning.append(created.json())
+    assert register(source, 8) == {"accepted": 1, "pinned_steps": [4]}
+    refused = report_removal(source, 4, "deleted")
+    assert error_code(refused, 409) == "checkpoint_pinned"
+    pinned_by = refused.json()["error"]["details"]["pinned_by"]
+    assert sorted(pinned_by) == sorted(run["id"] for run in pinning)
+
+    # Each lets go once it has a checkpoint of its own.
+    for run in pinning:
+        register(claimed(api, run["attempts"][0]["id"]), 2)
+    assert register(source, 12) == {"accepted": 1, "pinned_steps": []}
+    assert report_removal(source, 4, "deleted").status_code == 200
+
+
 @pytest.mark.parametrize("ended", ["failed", "cancelled"])
 def test_a_run_that_may_be_resumed_keeps_its_pin_until_it_has_a_checkpoint_of_its_own(
     ended: str, any_api: Api, tiny_workflow: WorkflowFactory

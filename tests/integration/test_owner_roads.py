@@ -265,3 +265,72 @@ def test_the_fleet_idempotency_keys_and_workflow_ids_name_no_other_user_s_run(
         assert bob.get(f"/workflows/{workflow_id}").status_code == 200
         assert bob.post("/runs", json={"workflow_id": workflow_id}).status_code == 201
         crowd.close()
+
+
+def test_a_checkpoint_path_in_the_artifact_store_reaches_only_a_run_its_caller_may_see(
+    tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
+) -> None:
+    workflow = tiny_workflow(phases=1, steps=20)
+    with processes() as procs:
+        crowd = people(tmp_path, postgres_url, procs)
+        alice, bob, admin = crowd.alice, crowd.bob, crowd.admin
+        source = create_run(alice, {"workflow": workflow, "name": "alice's pretraining"})
+        worker = Claimed(crowd.stack, source["attempts"][0]["id"])
+        assert worker.register(4)["pinned_steps"] == []
+        path = str(worker.checkpoint_dir(4))
+        swap = (source["id"], MISSING_RUN)
+        pretrained = {**workflow, "model": {"pretrained": path}}
+        evaluation = {
+            "checkpoint": path,
+            "tokenizer": "tokenizer.json",
+            "task": "summarization",
+            "data": "summaries.jsonl",
+            "sequence_length": 64,
+        }
+        bobs = create_run(bob, {"workflow": workflow, "name": "bob's"})
+
+        # Every road Bob could take to Alice's weights answers as a run that does not exist.
+        roads: list[tuple[str, str, Any]] = [
+            ("POST", "/runs", {"workflow": workflow, "initial_checkpoint": path}),
+            ("POST", f"/runs/{bobs['id']}/resume", {"initial_checkpoint": path}),
+            ("POST", "/evaluations", evaluation),
+            ("POST", "/runs", {"workflow": pretrained}),
+            ("POST", "/workflows", pretrained),
+            ("POST", "/workflows/validate", pretrained),
+        ]
+        for method, route, body in roads:
+            foreign = bob.request(method, route, json=body)
+            absent = bob.request(method, route, json=json.loads(json.dumps(body).replace(*swap)))
+            assert_same_answer(foreign, absent, swap)
+            assert_error(foreign, 404, "run_not_found")
+        error = bob.post("/runs", json=roads[0][2]).json()["error"]
+        assert error["message"].startswith("initial_checkpoint: "), error
+        error = bob.post("/evaluations", json=evaluation).json()["error"]
+        assert error["message"].startswith("checkpoint: "), error
+        error = bob.post("/runs", json={"workflow": pretrained}).json()["error"]
+        assert error["message"].startswith("model.pretrained: "), error
+        assert bob.get("/runs").json()["count"] == 1, "nothing of Bob's was created"
+
+        # Alice (and an admin) may: the path is taken as the run's registered checkpoint at
+        # that step, and the run started from it pins it as {"run", "step"} does.
+        tuned = create_run(alice, {"workflow": workflow, "initial_checkpoint": path})
+        assert tuned["initial_checkpoint"] == path
+        by_admin = create_run(admin, {"workflow": pretrained})
+        assert worker.register(8)["pinned_steps"] == [4]
+        refused = assert_error(worker.report_deleted(4), 409, "checkpoint_pinned")
+        assert sorted(refused["details"]["pinned_by"]) == sorted([tuned["id"], by_admin["id"]])
+        accepted = alice.post("/evaluations", json=evaluation)
+        assert accepted.status_code == 202, accepted.text
+        assert accepted.json()["request"]["checkpoint"] == path
+
+        # A path in Alice's run folder that is no registered checkpoint directory: 422 naming
+        # what to give instead.
+        unregistered = write_model_dir(worker.checkpoint_dir(6))
+        for given in (str(unregistered), f"{path}/model.safetensors"):
+            error = assert_error(
+                alice.post("/runs", json={"workflow": workflow, "initial_checkpoint": given}),
+                422,
+                "invalid_initial_checkpoint",
+            )
+            assert source["id"] in error["message"] and "4, 8" in error["message"], error
+        crowd.close()

@@ -358,10 +358,8 @@ def test_initial_checkpoint_from_another_run_resolves_to_its_registered_checkpoi
     assert "5, 10" in error["message"]
     assert error["details"] == {"run": source["id"], "step": 7, "available_steps": [5, 10]}
     unknown = submit(api, {"workflow": doc, "initial_checkpoint": {"run": "run_nope", "step": 5}})
-    assert (
-        "'run_nope' does not exist"
-        in assert_error(unknown, 422, "invalid_initial_checkpoint")["message"]
-    )
+    error = assert_error(unknown, 404, "run_not_found")
+    assert error["message"].startswith("initial_checkpoint: run 'run_nope' does not exist")
 
     # Resume: the same reference is accepted; another step's weights are refused by name.
     fail_run(api, tuned, checkpoint_step=None)
