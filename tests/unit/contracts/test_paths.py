@@ -106,6 +106,26 @@ def test_checkpoints_may_also_lie_in_the_artifact_stores_runs(tree: Path) -> Non
     assert roots.refusal(str(tree / "artifacts" / "tokens"), "checkpoint") is not None
 
 
+def test_a_path_in_a_run_s_folder_is_found_as_that_run_links_and_dot_dot_followed(
+    tree: Path,
+) -> None:
+    roots = DataRoots.of([tree / "data"], artifact_root=tree / "artifacts")
+    runs = tree / "artifacts" / "runs"
+    step = runs / "r1" / "checkpoints" / "step-00000004"
+    assert roots.in_runs(str(step)) == ("r1", ("checkpoints", "step-00000004"))
+    assert roots.in_runs(f"{step}/") == ("r1", ("checkpoints", "step-00000004"))
+    assert roots.in_runs(str(runs / "r1")) == ("r1", ())
+    # Through a link in a data root, and through `..` out of another run's folder.
+    (tree / "data" / "borrowed").symlink_to(runs / "r1")
+    assert roots.in_runs(str(tree / "data" / "borrowed" / "file.jsonl")) == ("r1", ("file.jsonl",))
+    assert roots.in_runs(f"{runs}/r2/../r1/file.jsonl") == ("r1", ("file.jsonl",))
+    # Not a run: runs/ itself, the rest of the store, elsewhere, a path the OS cannot use.
+    for path in (runs, tree / "artifacts" / "tokens", tree / "data" / "file.jsonl"):
+        assert roots.in_runs(str(path)) is None
+    assert roots.in_runs(f"{runs}/r1/a\0b") is None
+    assert DataRoots.of([tree / "data"]).in_runs(str(step)) is None  # no artifact store known
+
+
 def test_unusable_paths_are_refused_not_raised(tree: Path) -> None:
     roots = DataRoots.of([tree / "data"])
     assert "NUL byte" in (roots.refusal(f"{tree / 'data'}/a\0b") or "")
