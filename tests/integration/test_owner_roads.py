@@ -50,14 +50,17 @@ class People:
             base_url=self.stack.url, headers={"Authorization": f"Bearer {secret}"}, timeout=30
         )
 
-    def close(self) -> None:
+    def __enter__(self) -> People:
+        return self
+
+    def __exit__(self, *_: object) -> None:
         for client in (self.admin, self.alice, self.bob, self.viewer):
             client.close()
 
 
 def people(tmp_path: Path, postgres_url: str, procs: list[Any]) -> People:
     # The data roots hold tmp_path, and so the artifact store: a path into another run's
-    # checkpoints passes the roots, and only its owner may stop it.
+    # checkpoints passes the roots, and only the owner check stops it.
     return People(Stack(tmp_path, postgres_url, procs, TRAINCTL_DATA_ROOT=str(tmp_path / "data")))
 
 
@@ -90,8 +93,7 @@ def test_the_names_a_metric_read_asks_for_are_bounded(
     tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
 ) -> None:
     workflow = tiny_workflow(phases=1, steps=4)
-    with processes() as procs:
-        crowd = people(tmp_path, postgres_url, procs)
+    with processes() as procs, people(tmp_path, postgres_url, procs) as crowd:
         run_id = create_run(crowd.alice, {"workflow": workflow})["id"]
         at_most = [f"{i:03d}".ljust(MAX_NAME, "x") for i in range(MAX_SERIES_PER_READ)]
         too_many = [*at_most, "one more"]
@@ -105,7 +107,6 @@ def test_the_names_a_metric_read_asks_for_are_bounded(
                 assert [p["path"] for p in error["details"]] == ["query.names"], error
         answer = crowd.alice.get(f"/runs/{run_id}/metrics", params={"names": ",".join(at_most)})
         assert answer.status_code == 200 and answer.json() == {}, answer.text
-        crowd.close()
 
 
 class EventStream:
@@ -140,8 +141,7 @@ def test_an_event_stream_ends_soon_after_its_token_is_revoked(
     tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
 ) -> None:
     workflow = tiny_workflow(phases=1, steps=4)
-    with processes() as procs:
-        crowd = people(tmp_path, postgres_url, procs)
+    with processes() as procs, people(tmp_path, postgres_url, procs) as crowd:
         run = create_run(crowd.alice, {"workflow": workflow})
         bobs = EventStream(crowd.bob, create_run(crowd.bob, {"workflow": workflow})["id"])
         stream = EventStream(crowd.alice, run["id"])
@@ -153,12 +153,11 @@ def test_an_event_stream_ends_soon_after_its_token_is_revoked(
         # The stream re-checks its token every few seconds (service/routes/events.py), and a
         # queued run's stream has nothing else to end it: only the revocation can.
         assert stream.closed.wait(timeout=30), "the stream went on after its token was revoked"
-        assert stream.next_event(timeout=1) == "error"
+        assert list(stream.events.queue)[-1] == "error", stream.lines
         assert any("revoked" in line for line in stream.lines if line.startswith("data:"))
         assert not bobs.closed.is_set(), "Bob's token is still valid: his stream goes on"
         stream.response.close()
         bobs.response.close()
-        crowd.close()
 
 
 class Claimed:
@@ -197,8 +196,7 @@ def test_the_fleet_idempotency_keys_and_workflow_ids_name_no_other_user_s_run(
     tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
 ) -> None:
     workflow = tiny_workflow(phases=1, steps=4)
-    with processes() as procs:
-        crowd = people(tmp_path, postgres_url, procs)
+    with processes() as procs, people(tmp_path, postgres_url, procs) as crowd:
         alice, bob, viewer, admin = crowd.alice, crowd.bob, crowd.viewer, crowd.admin
         alices = create_run(alice, {"workflow": workflow, "name": "alice's"})
         Claimed(crowd.stack, alices["attempts"][0]["id"])
@@ -264,15 +262,13 @@ def test_the_fleet_idempotency_keys_and_workflow_ids_name_no_other_user_s_run(
         )
         assert bob.get(f"/workflows/{workflow_id}").status_code == 200
         assert bob.post("/runs", json={"workflow_id": workflow_id}).status_code == 201
-        crowd.close()
 
 
 def test_a_checkpoint_path_in_the_artifact_store_reaches_only_a_run_its_caller_may_see(
     tmp_path: Path, postgres_url: str, tiny_workflow: WorkflowFactory
 ) -> None:
     workflow = tiny_workflow(phases=1, steps=20)
-    with processes() as procs:
-        crowd = people(tmp_path, postgres_url, procs)
+    with processes() as procs, people(tmp_path, postgres_url, procs) as crowd:
         alice, bob, admin = crowd.alice, crowd.bob, crowd.admin
         source = create_run(alice, {"workflow": workflow, "name": "alice's pretraining"})
         worker = Claimed(crowd.stack, source["attempts"][0]["id"])
@@ -333,4 +329,3 @@ def test_a_checkpoint_path_in_the_artifact_store_reaches_only_a_run_its_caller_m
                 "invalid_initial_checkpoint",
             )
             assert source["id"] in error["message"] and "4, 8" in error["message"], error
-        crowd.close()
