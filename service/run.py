@@ -208,6 +208,35 @@ def sign_run(
     return signature
 
 
+def _run_inputs(
+    *,
+    session: Session,
+    request: RunCreate,
+    data_root: Path,
+    roots: DataRoots | None,
+    owner_id: str | None,
+) -> tuple[WorkflowSpec, InitialCheckpoint | None]:
+    """The workflow (the document given, or the stored one its id names) and the initial
+    checkpoint of a new run, checked as create_run says. Reads the database; hashes nothing."""
+    if request.workflow is not None:
+        doc = request.workflow
+    else:
+        assert request.workflow_id is not None
+        doc = get_workflow(session=session, workflow_id=request.workflow_id, owner_id=owner_id).spec
+    spec = parse_workflow(doc, data_root=data_root, roots=roots, session=session, owner_id=owner_id)
+    if request.initial_checkpoint is None:
+        return spec, None
+    initial = resolve_initial_checkpoint(
+        session=session,
+        given=request.initial_checkpoint,
+        data_root=data_root,
+        roots=roots,
+        spec=spec,
+        owner_id=owner_id,
+    )
+    return spec, initial
+
+
 def create_run(
     *,
     session: Session,
@@ -231,23 +260,8 @@ def create_run(
         if existing is not None:
             return existing, False
 
-    if request.workflow is not None:
-        doc = request.workflow
-    else:
-        assert request.workflow_id is not None
-        doc = get_workflow(session=session, workflow_id=request.workflow_id, owner_id=owner_id).spec
-    spec = parse_workflow(doc, data_root=data_root, roots=roots, session=session, owner_id=owner_id)
-    initial = (
-        None
-        if request.initial_checkpoint is None
-        else resolve_initial_checkpoint(
-            session=session,
-            given=request.initial_checkpoint,
-            data_root=data_root,
-            roots=roots,
-            spec=spec,
-            owner_id=owner_id,
-        )
+    spec, initial = _run_inputs(
+        session=session, request=request, data_root=data_root, roots=roots, owner_id=owner_id
     )
     # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
     # connection waits idle in transaction (nor a checkpoint row stays locked) meanwhile.
