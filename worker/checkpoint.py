@@ -38,7 +38,7 @@ from worker.error import CheckpointError, DiskFull, SignatureMismatch
 from worker.files import free_bytes, fsync_dir, fsync_file, mib, out_of_space
 from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
 from worker.optim import Optimizers
-from worker.shards import SHARDS_METADATA, ShardedSave, has_shards
+from worker.shards import SHARDS, SHARDS_METADATA, ShardedSave, has_shards
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,8 @@ def _write_parts(tmp: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> None:
     if snapshot.sharded is not None:
         # Done once every rank's shards and DCP's metadata are written and fsynced.
         snapshot.sharded.written.result()
+        # Their names too: DCP fsyncs the files, not the directory that lists them.
+        fsync_dir(tmp / SHARDS)
 
     parts = sorted(p for p in tmp.rglob("*") if p.is_file())
     for part in parts:

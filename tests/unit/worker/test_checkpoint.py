@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -20,17 +22,22 @@ from worker.checkpoint import (
     STATE,
     CheckpointState,
     CheckpointWriter,
+    CpuBuffers,
     find_latest_complete,
     load_checkpoint,
     publish_checkpoint,
     save_checkpoint,
     select_expired,
+    snapshot,
+    temporary_name,
     verify_checkpoint,
+    write_temporary,
 )
 from worker.error import CheckpointError
 from worker.model import EOS_TOKEN, PAD_TOKEN, build_model, load_weights
 from worker.optim import Optimizers, build_optimizers
 from worker.rng import PrivateRandom
+from worker.shards import SHARDS, ShardedSave
 
 
 @pytest.fixture
@@ -283,3 +290,43 @@ def test_loading_a_checkpoint_is_progress_for_every_chunk_it_hashes(
     chunks = [math.ceil(f["size"] / 2**20) for f in manifest["files"].values()]
     assert progress.calls == sum(chunks)
     assert math.ceil(big.stat().st_size / 2**20) == 3
+
+
+def test_a_sharded_save_fsyncs_its_shards_directory_before_the_manifest(
+    tmp_path: Path, workflow: Workflow, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards' names are entries of `shards/`: without an fsync of that directory a power
+    loss after the rename may leave a published checkpoint whose manifest lists shards that
+    are gone."""
+    model, optimizers = trained(workflow)
+    tmp = tmp_path / "checkpoints" / temporary_name(4)
+    shards = tmp / SHARDS
+    shards.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):  # as every rank's DCP wrote them
+        (shards / name).write_bytes(name.encode())
+    written: Future[dict[str, dict[str, object]]] = Future()
+    written.set_result(
+        {
+            f"{SHARDS}/{p.name}": {"sha256": sha256_file(p), "size": p.stat().st_size}
+            for p in shards.iterdir()
+        }
+    )
+    copy = snapshot(
+        model=model,
+        optimizers=optimizers,
+        state=state_at(4, optimizers),
+        rng=PrivateRandom(0, torch.device("cpu")).state_dict(),
+        buffers=CpuBuffers(),
+        sharded=ShardedSave(tmp, written, optimizers.state_dict(), None),
+    )
+    synced: list[tuple[Path, bool]] = []  # (what was fsynced, whether the manifest existed)
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")), (tmp / MANIFEST).exists()))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    assert write_temporary(directory=tmp.parent, snapshot=copy, tokenizer=tokenizer) == tmp
+    assert (shards, False) in synced
+    verify_checkpoint(tmp)
