@@ -32,10 +32,10 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from contracts.reports import Claim
-from contracts.signature import sha256_file
 from worker import failpoint
 from worker.error import CheckpointError, DiskFull, SignatureMismatch
 from worker.files import free_bytes, fsync_dir, fsync_file, mib, out_of_space
+from worker.manifest import Entry, check, describe
 from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
 from worker.optim import Optimizers
 from worker.shards import SHARDS, SHARDS_METADATA, ShardedSave, has_shards
@@ -255,22 +255,7 @@ def _write_parts(tmp: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> None:
     torch.save(snapshot.optimizer, tmp / OPTIMIZER)
     torch.save(snapshot.rng, tmp / RNG)
     (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
-    if snapshot.sharded is not None:
-        # Done once every rank's shards and DCP's metadata are written and fsynced.
-        snapshot.sharded.written.result()
-        # Their names too: DCP fsyncs the files, not the directory that lists them.
-        fsync_dir(tmp / SHARDS)
-
-    parts = sorted(p for p in tmp.rglob("*") if p.is_file())
-    for part in parts:
-        fsync_file(part)
-    manifest = {
-        "step": state.step,
-        "files": {
-            p.relative_to(tmp).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size}
-            for p in parts
-        },
-    }
+    manifest = {"step": state.step, "files": _manifest_entries(tmp, snapshot.sharded)}
     # The manifest is written last: a directory with a verifying manifest is complete.
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     fsync_file(tmp / MANIFEST)
@@ -328,6 +313,23 @@ def _discard(tmp: Path, snapshot: Snapshot) -> None:
     if snapshot.sharded is not None:
         wait([snapshot.sharded.written])
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _manifest_entries(tmp: Path, sharded: ShardedSave | None) -> dict[str, Entry]:
+    """Every file of the checkpoint in `tmp`, fsynced, by name, with its SHA-256 and size.
+    Sharded, the shard files' entries are the ones their ranks made (each hashed what it wrote,
+    and DCP fsynced it): this process reads none of another rank's shards."""
+    entries: dict[str, Entry] = {}
+    if sharded is not None:
+        # Done once every rank's shards and DCP's metadata are written, fsynced and hashed.
+        entries = sharded.written.result()
+        # Their names too: DCP fsyncs the files, not the directory that lists them.
+        fsync_dir(tmp / SHARDS)
+    names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    rest = [name for name in names if name not in entries]
+    for name in rest:
+        fsync_file(tmp / name)
+    return dict(sorted({**entries, **describe(tmp, rest)}.items()))
 
 
 def publish_checkpoint(tmp: Path) -> Path:
@@ -466,9 +468,16 @@ class CheckpointWriter:
 # --- verify and load ------------------------------------------------------------------------
 
 
-def verify_checkpoint(path: Path, progress: Callable[[], None] | None = None) -> None:
+def verify_checkpoint(
+    path: Path,
+    progress: Callable[[], None] | None = None,
+    *,
+    share: Callable[[str], bool] | None = None,
+) -> None:
     """Raise CheckpointError unless every file the manifest lists is present and intact.
-    `progress` is called after each MiB hashed: a large checkpoint takes minutes."""
+    `progress` is called after each MiB hashed: a large checkpoint takes minutes. `share`:
+    only the files whose names it accepts are checked (one rank's share of the checkpoint; the
+    manifest itself is checked all the same)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}")
@@ -481,21 +490,7 @@ def verify_checkpoint(path: Path, progress: Callable[[], None] | None = None) ->
     for name in (MODEL_CONFIG, weights, OPTIMIZER, RNG, STATE):
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {name}")
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: {name} is missing")
-        size = file.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(
-                f"checkpoint {path}: {name} has {size} bytes, the manifest says {expected['size']}"
-            )
-        digest = sha256_file(file, progress)
-        if digest != expected["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {path}: {name} has SHA-256 {digest}, "
-                f"the manifest says {expected['sha256']}"
-            )
+    check(path, {n: e for n, e in files.items() if share is None or share(n)}, progress)
 
 
 def find_latest_complete(directory: Path) -> Path | None:
@@ -560,7 +555,7 @@ def select_resume_checkpoint(
     offsets: list[int],
     *,
     on_quarantine: Callable[[Quarantined], object],
-    progress: Callable[[], None] | None = None,
+    verify: Callable[[Path], None] = verify_checkpoint,
 ) -> LoadedCheckpoint | None:
     """The claim's `resume_from`, verified (None: the phase's first step, from the initial
     weights): this run's, and either inside this phase or the previous phase's final checkpoint
@@ -568,7 +563,9 @@ def select_resume_checkpoint(
     no manifest) is quarantined and the newest older usable checkpoint of the same directory is
     used instead. A later phase without one cannot start. `on_quarantine` hears of each
     checkpoint renamed aside as soon as it is, so that the service learns of it even when no
-    older one can stand in and this raises. `progress` is called after each MiB verified."""
+    older one can stand in and this raises. `verify` raises CheckpointError for a checkpoint
+    that fails verification: here every file hashed by this process (`verify_checkpoint`), on
+    many ranks each rank's share by that rank."""
     phase_index = claim.phase_index
     if claim.resume_from is None:
         if phase_index > 0:
@@ -579,11 +576,9 @@ def select_resume_checkpoint(
         return None
     path = Path(claim.resume_from.path)
     try:
-        loaded = load_checkpoint(path, progress)
+        loaded = _verified(path, verify)
     except CheckpointError as err:
-        return _fall_back(
-            path, claim.resume_from.step, err, claim, offsets, on_quarantine, progress
-        )
+        return _fall_back(path, claim.resume_from.step, err, claim, offsets, on_quarantine, verify)
     state = loaded.state
     if state.signature != claim.signature:
         raise SignatureMismatch(
@@ -599,6 +594,11 @@ def select_resume_checkpoint(
             f"(step {offset})"
         )
     return loaded
+
+
+def _verified(path: Path, verify: Callable[[Path], None]) -> LoadedCheckpoint:
+    verify(path)
+    return load_checkpoint(path, verify=False)
 
 
 def starts_phase(state: CheckpointState, phase_index: int, offsets: list[int]) -> bool:
@@ -623,7 +623,7 @@ def _fall_back(
     claim: Claim,
     offsets: list[int],
     on_quarantine: Callable[[Quarantined], object],
-    progress: Callable[[], None] | None,
+    verify: Callable[[Path], None],
 ) -> LoadedCheckpoint:
     """Quarantine the failed checkpoint `path` (of `step`) and load the newest older one in
     its directory that verifies, is this run's and can start this phase."""
@@ -632,7 +632,7 @@ def _fall_back(
         if older_step >= step:
             continue
         try:
-            loaded = load_checkpoint(candidate, progress)
+            loaded = _verified(candidate, verify)
         except CheckpointError as older_err:
             on_quarantine(_set_aside(candidate, older_step, older_err))
             continue

@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from contracts.reports import Claim
 from contracts.workflow import Workflow
+from worker.error import TrainingError
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ PREEMPT = "preempt"
 
 _CPU = torch.device("cpu")
 _PR_SET_PDEATHSIG = 1
+# What rank 0 sends the ranks in `Ranks.serve_checks`.
+_CHECK, _CHOSEN, _FAILED = "check", "chosen", "failed"
 # Elastic turns these into an exception in the process that starts the ranks; in a worker,
 # SIGTERM is Celery's warm shutdown (the preemption notice) and must stay Celery's.
 _ELASTIC_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -161,13 +164,43 @@ class Ranks:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def main_path(self, path: str | None) -> str | None:
-        """Rank 0's `path` (the checkpoint it chose to resume from), on every rank."""
+    # Choosing the checkpoint to resume from: rank 0 chooses (worker.checkpoint:
+    # select_resume_checkpoint) and has every rank check its share of each candidate at once.
+
+    def check_together(self, path: Path, check: Callable[[Path], str | None]) -> str | None:
+        """Rank 0, the others being in `serve_checks`: every rank checks its share of the
+        checkpoint at `path` (`check`: the problem it found, or None); the first problem, by
+        rank, or None. Alone: `check(path)`."""
         if self.world == 1:
-            return path
-        box = [path]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+            return check(path)
+        dist.broadcast_object_list([(_CHECK, str(path))], src=0)
+        return self._first_problem(check(path))
+
+    def serve_checks(self, check: Callable[[Path], str | None]) -> str | None:
+        """Every rank but 0: check this rank's share of each checkpoint rank 0 names
+        (`check_together`) until it ends its choice (`end_checks`); the path it chose (None:
+        none, the phase starts from its initial weights). TrainingError when rank 0 found none
+        to start from (it reports why)."""
+        while True:
+            box: list[tuple[str, str | None]] = [(_FAILED, None)]
+            dist.broadcast_object_list(box, src=0)
+            what, path = box[0]
+            if what == _CHOSEN:
+                return path
+            if what == _FAILED:
+                raise TrainingError("rank 0 found no checkpoint this phase can start from")
+            self._first_problem(check(Path(str(path))))
+
+    def end_checks(self, chosen: str | None, *, failed: bool = False) -> None:
+        """Rank 0: tell the others in `serve_checks` the checkpoint it chose, or that it
+        `failed` to find one it can start from."""
+        if self.world > 1:
+            dist.broadcast_object_list([(_FAILED if failed else _CHOSEN, chosen)], src=0)
+
+    def _first_problem(self, problem: str | None) -> str | None:
+        problems: list[str | None] = [None] * self.world
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p is not None), None)
 
 
 def shard_like(value: Any, param: torch.Tensor) -> Any:

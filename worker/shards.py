@@ -9,8 +9,12 @@ background thread into `<step directory>/shards/`: one file per rank and DCP's `
 coordinated over a gloo group of the checkpoint's own, so that its collectives never interleave
 with training's. Rank 0 writes the rest of the step directory as one device does (config,
 tokenizer, the optimizers' hyperparameters and unsharded state in `optimizer.pt`, every rank's
-RNG, `state.json`), waits for the shards, and only then writes the manifest, every shard file
-hashed: a step directory is complete only when every rank's part is (worker.checkpoint).
+RNG, `state.json`), waits for the shards, and only then writes the manifest: a step directory
+is complete only when every rank's part is (worker.checkpoint). Each rank hashes the shard
+files it wrote, once its save is on disk, and rank 0 gathers their digests for the manifest:
+it never reads another rank's shards, which at hundreds of GB would outlast the collective
+timeout of the ranks waiting for it. On resume, each rank verifies the shard files it reads
+(`verifier_of`).
 
 The phase's final checkpoint also holds the model gathered whole, tensor by tensor into rank
 0's CPU memory, as `model.safetensors`: it loads with plain transformers, and the next phase
@@ -23,8 +27,9 @@ every tensor whole. Only tensors go through DCP (nothing is unpickled).
 
 from __future__ import annotations
 
+import re
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -38,6 +43,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from worker import manifest
 from worker.error import CheckpointError
 from worker.optim import Optimizers
 
@@ -45,6 +51,8 @@ SHARDS = "shards"
 SHARDS_METADATA = f"{SHARDS}/.metadata"
 _MODEL = "model/"
 _OPTIMIZER = "optimizer/"
+# DCP's FileSystemWriter names rank k's files `__<k>_<i>.distcp`; rank 0 writes `.metadata`.
+_RANK_FILE = re.compile(rf"{SHARDS}/__(\d+)_\d+\.distcp")
 
 
 @dataclass(frozen=True)
@@ -53,13 +61,29 @@ class ShardedSave:
     it (worker.checkpoint)."""
 
     directory: Path  # the temporary step directory every rank writes its shards into
-    written: Future[Any]  # this rank's DCP save; on rank 0 done once every rank's shards are
+    # Done once every rank's shards are on disk, each rank's hashed by that rank: on rank 0 the
+    # manifest entries of every shard file (worker.manifest), on the others their own.
+    written: Future[dict[str, manifest.Entry]]
     optimizer: dict[str, Any]  # Optimizers.state_dict() less its DTensors (in the shards)
     weights: dict[str, torch.Tensor] | None  # the model gathered whole (the phase's last step)
 
 
 def has_shards(path: Path) -> bool:
     return (path / SHARDS_METADATA).is_file()
+
+
+def writer_of(name: str) -> int:
+    """The rank that wrote the checkpoint file `name` (relative to its step directory): rank k
+    its shard files, rank 0 everything else."""
+    found = _RANK_FILE.fullmatch(name)
+    return int(found.group(1)) if found else 0
+
+
+def verifier_of(name: str, world: int) -> int:
+    """Which of `world` ranks verifies the checkpoint file `name` on resume: on the count that
+    wrote it, the rank that wrote it, which reads it next (DCP reads a rank's own shards back
+    to it); on another count, one of them each, in turn."""
+    return writer_of(name) % world
 
 
 def split_state(
@@ -105,7 +129,9 @@ class ShardWriter:
                 use_non_blocking_copy=cuda,
             )
         )
-        self._pending: Future[Any] | None = None
+        # Hashes this rank's shards once they are written, then hands the digests to rank 0.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-digests")
+        self._pending: Future[dict[str, manifest.Entry]] | None = None
         self._last: tuple[int, ShardedSave] | None = None
 
     @property
@@ -139,19 +165,47 @@ class ShardWriter:
         )
         if not isinstance(written, Future):  # an AsyncSaveResponse: staging in the background
             raise CheckpointError(f"unexpected answer of DCP's async_save: {type(written)}")
-        self._pending = written
+        described = self._hasher.submit(self._describe, written, temporary)
+        self._pending = described
         weights = None
         if whole:
             # One tensor at a time: gathered, moved to rank 0's CPU memory, freed on device.
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             gathered = get_model_state_dict(model, options=options)
             weights = cast(dict[str, torch.Tensor], gathered) if self._rank == 0 else None
-        saved = ShardedSave(temporary, written, rest, weights)
+        saved = ShardedSave(temporary, described, rest, weights)
         self._last = (step, saved)
         return saved
 
+    def _describe(self, written: Future[Any], directory: Path) -> dict[str, manifest.Entry]:
+        """In this rank's hashing thread: once its DCP save is on disk (`written`), the manifest
+        entries of the shard files it wrote, gathered on rank 0 with every other rank's. A
+        collective over the checkpoint's group, after DCP's own on it; every rank makes it,
+        whatever its save did, so that no one waits for a rank that failed."""
+        mine: dict[str, manifest.Entry] | str
+        failed: BaseException | None = None
+        try:
+            written.result()
+            names = sorted(f"{SHARDS}/{p.name}" for p in (directory / SHARDS).iterdir())
+            own = [name for name in names if writer_of(name) == self._rank]
+            mine = manifest.describe(directory, own)
+        except Exception as err:
+            failed, mine = err, f"rank {self._rank}: {type(err).__name__}: {err}"
+        gathered: list[Any] | None = None
+        if self._rank == 0:
+            gathered = [None] * dist.get_world_size(self._group)
+        dist.gather_object(mine, gathered, dst=0, group=self._group)
+        if failed is not None:
+            raise failed
+        if gathered is None:
+            return cast(dict[str, manifest.Entry], mine)
+        if problems := [part for part in gathered if isinstance(part, str)]:
+            raise CheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
+        return {name: entry for part in gathered for name, entry in part.items()}
+
     def wait(self) -> None:
-        """Block until this rank's save in flight is on disk (raising what it raised)."""
+        """Block until this rank's save in flight is on disk and hashed (raising what it
+        raised)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
@@ -162,6 +216,7 @@ class ShardWriter:
         try:
             self.wait()
         finally:
+            self._hasher.shutdown(wait=True)
             self._stager.close()
 
 

@@ -29,6 +29,7 @@ from worker import failpoint, metrics
 from worker.checkpoint import (
     CheckpointState,
     CheckpointWriter,
+    LoadedCheckpoint,
     checkpoints_dir,
     load_checkpoint,
     publish_checkpoint,
@@ -36,10 +37,11 @@ from worker.checkpoint import (
     select_expired,
     select_resume_checkpoint,
     temporary_name,
+    verify_checkpoint,
 )
 from worker.data import PhaseData, batch_for_step, load_phase_data
 from worker.distributed import Order, Ranks, shard_like
-from worker.error import ConfigError, NonFiniteLoss
+from worker.error import CheckpointError, ConfigError, NonFiniteLoss, TrainingError
 from worker.evaluate import EvalData, evaluate_task, load_eval_data
 from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
 from worker.objective import StepLoss, backward_step
@@ -47,7 +49,7 @@ from worker.optim import Optimizers, build_optimizers
 from worker.reporter import Reporter
 from worker.rng import PrivateRandom
 from worker.schedule import lr_multiplier
-from worker.shards import ShardedSave, ShardWriter, read_shards
+from worker.shards import ShardedSave, ShardWriter, read_shards, verifier_of
 from worker.store import Stores, artifact_root, store_root
 
 log = logging.getLogger(__name__)
@@ -281,21 +283,7 @@ def train_phase(
     rng = PrivateRandom(ranks.seed(phase_seed(workflow.seed, phase_index)), device)
     # Every rank's part of a sharded checkpoint (a collective: its process group).
     shards = ShardWriter(rank=ranks.rank, device=device) if ranks.sharded else None
-    # Each quarantine is reported as it happens, before a failure to find any usable
-    # checkpoint propagates: the service must never hand it out again.
-    # Rank 0 chooses (and quarantines what fails verification); every rank loads its choice,
-    # hashed once, by rank 0.
-    resumed = None
-    if ranks.main:
-        resumed = select_resume_checkpoint(
-            claim,
-            offsets,
-            on_quarantine=lambda q: reporter.checkpoint_removed(q.step, "quarantined", q.reason),
-            progress=reporter.progress,
-        )
-    chosen = ranks.main_path(str(resumed.path) if resumed is not None else None)
-    if not ranks.main and chosen is not None:
-        resumed = load_checkpoint(chosen, verify=False)
+    resumed = _resume_point(claim, offsets, ranks, reporter)
     if resumed is not None and resumed.whole_weights:
         load_weights(model, resumed.path)
     elif resumed is None and claim.initial_checkpoint is not None:
@@ -502,6 +490,48 @@ def train_phase(
         finally:
             if shards is not None:
                 shards.close()  # this rank's shards on disk before the process may end
+
+
+def _resume_point(
+    claim: Claim, offsets: list[int], ranks: Ranks, reporter: Reporter
+) -> LoadedCheckpoint | None:
+    """The checkpoint this attempt starts from (select_resume_checkpoint). Rank 0 chooses and
+    quarantines what fails verification, each quarantine reported as it happens, before a
+    failure to find any usable checkpoint propagates: the service must never hand it out
+    again. Every rank verifies its share of each candidate at once (the shard files it reads,
+    worker.shards.verifier_of), so that none waits in a collective while another hashes a whole
+    checkpoint; the others load rank 0's choice without hashing it again."""
+
+    def share(name: str) -> bool:
+        return verifier_of(name, ranks.world) == ranks.rank
+
+    def problem(path: Path) -> str | None:
+        try:
+            verify_checkpoint(path, reporter.progress, share=share)
+        except CheckpointError as err:
+            return str(err)
+        return None
+
+    if not ranks.main:
+        chosen = ranks.serve_checks(problem)
+        return None if chosen is None else load_checkpoint(chosen, verify=False)
+
+    def verify(path: Path) -> None:
+        if (found := ranks.check_together(path, problem)) is not None:
+            raise CheckpointError(found)
+
+    try:
+        resumed = select_resume_checkpoint(
+            claim,
+            offsets,
+            on_quarantine=lambda q: reporter.checkpoint_removed(q.step, "quarantined", q.reason),
+            verify=verify,
+        )
+    except TrainingError:
+        ranks.end_checks(None, failed=True)  # the others end too; rank 0 reports why
+        raise
+    ranks.end_checks(str(resumed.path) if resumed is not None else None)
+    return resumed
 
 
 def _order(action: str, pause_ordered: bool, preempted: bool) -> Order:

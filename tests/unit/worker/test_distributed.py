@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
+from contracts.signature import sha256_file
 from contracts.workflow import Workflow
 from worker.checkpoint import MANIFEST, MODEL_WEIGHTS, RNG
 from worker.distributed import Ranks, free_port
@@ -42,6 +44,7 @@ class FileReporter(SilentReporter):
         self.losses: dict[int, float] = {}
         self.checkpoints: list[dict[str, Any]] = []
         self.eval_results: list[dict[str, Any]] = []
+        self.removals: list[dict[str, Any]] = []
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         self.losses[step] = values["loss"]
@@ -54,7 +57,19 @@ class FileReporter(SilentReporter):
         return frozenset()
 
     def checkpoint_removed(self, step: int, status: RemovalStatus, reason: str) -> bool:
+        self.removals.append({"step": step, "status": status, "reason": reason})
         return True  # recorded: retention deletes as it would
+
+
+def record_hashing(hashed: list[str]) -> None:
+    """From now on, append to `hashed` every file this process opens to hash
+    (contracts.signature.sha256_file), from any module and thread."""
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and sys._getframe(1).f_code is sha256_file.__code__:
+            hashed.append(str(args[0]))
+
+    sys.addaudithook(hook)  # for the rest of this rank's process
 
 
 def _rank(rank: int, world: int, port: int, claim_json: str, out: str) -> None:
@@ -65,6 +80,9 @@ def _rank(rank: int, world: int, port: int, claim_json: str, out: str) -> None:
         claim = Claim.model_validate_json(claim_json)
         workflow = Workflow.model_validate(claim.workflow)
         reporter = FileReporter() if rank == 0 else SilentReporter()
+        hashed: list[str] = []
+        if rank == 0:
+            record_hashing(hashed)
         outcome = train_phase(
             claim=claim,
             workflow=workflow,
@@ -85,6 +103,8 @@ def _rank(rank: int, world: int, port: int, claim_json: str, out: str) -> None:
                         "checkpoints": reporter.checkpoints,
                         "final": outcome.checkpoint.path,
                         "evals": reporter.eval_results,
+                        "removals": reporter.removals,
+                        "hashed": hashed,
                     }
                 )
             )
@@ -310,3 +330,58 @@ def test_a_sharded_phase_trains_what_one_device_trains_and_its_checkpoints_load_
         tmp_path / "more.json",
     )
     assert all(math.isclose(more["losses"][s], one["losses"][s], rel_tol=5e-5) for s in (4, 5))
+
+
+def test_each_rank_hashes_the_shards_it_wrote_and_a_corrupt_one_is_found_on_resume(
+    make_workflow: Callable[..., Workflow],
+    make_claim: Callable[..., Claim],
+    make_text_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """Rank 0 never reads another rank's shards: hashing hundreds of GB alone, at each save
+    and at each resume, it outlasted the others' wait in a collective. Each rank hashes the
+    shard files it wrote once its DCP save is done, and on resume verifies the ones it reads;
+    rank 0 gathers the digests into the manifest, and the verdicts."""
+    workflow = make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 4,
+                "grad_accum": 2,
+                "resources": {"devices": 2, "sharding": "fsdp"},
+            }
+        ],
+        checkpoint={"every_steps": 2, "keep_last": 5},
+    )
+    two = on_ranks(make_claim(workflow, artifact_dir=tmp_path / "two"), 2, tmp_path / "two.json")
+    theirs = f"/{SHARDS}/__1_"
+    assert [f for f in two["hashed"] if theirs in f] == []
+    # The manifest still lists every shard file with its SHA-256, as one process reads it.
+    for step in (2, 4):
+        path = Path(mid(two, step).path)
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+        shards = {
+            f"{SHARDS}/{p.name}": {"sha256": sha256_file(p), "size": p.stat().st_size}
+            for p in (path / SHARDS).iterdir()
+        }
+        assert len(shards) == 3 and {name: listed[name] for name in shards} == shards
+
+    # Rank 1's shard of the final checkpoint, corrupted: rank 1 finds it, rank 0 quarantines
+    # the checkpoint and the run continues from step 2, bit for bit.
+    damaged = Path(two["final"]) / SHARDS / "__1_0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    again = on_ranks(
+        make_claim(workflow, artifact_dir=tmp_path / "again", resume_from=mid(two, 4)),
+        2,
+        tmp_path / "again.json",
+    )
+    [removal] = again["removals"]
+    assert (removal["step"], removal["status"]) == (4, "quarantined")
+    assert f"{SHARDS}/__1_0.distcp has SHA-256" in removal["reason"]
+    assert sorted(again["losses"]) == [3, 4]
+    assert all(again["losses"][s] == two["losses"][s] for s in (3, 4))
+    assert [f for f in again["hashed"] if theirs in f] == []
