@@ -264,14 +264,37 @@ def launch_ranks(
     stop_requested: Callable[[], bool],
     handed_over: Callable[[], None],
 ) -> tuple[object, RankFailure | None]:
-    """Run the claimed phase on `claim.devices` ranks and wait for them: (rank 0's return
-    value, None) when every rank ended well, (None, the first failure) when one did not (the
-    others are ended then). `handed_over` is called once rank 0's reporter holds the lease.
-    A preemption notice (`stop_requested`) is passed on to rank 0."""
+    """Run the claimed phase on `claim.devices` ranks and wait for them (`run_ranks`).
+    `handed_over` is called once rank 0's reporter holds the lease. A preemption notice
+    (`stop_requested`) is passed on to rank 0."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"trainctl-ranks-{claim.attempt_id}-"))
+    return run_ranks(
+        train_rank,
+        claim.devices,
+        (claim.model_dump_json(),),
+        workdir=workdir,
+        stop_requested=stop_requested,
+        handed_over=handed_over,
+    )
+
+
+def run_ranks(
+    work: Callable[..., object],
+    world: int,
+    args: tuple[object, ...],
+    *,
+    workdir: Path,
+    stop_requested: Callable[[], bool],
+    handed_over: Callable[[], None],
+) -> tuple[object, RankFailure | None]:
+    """Start `world` rank processes, each running `work(device, workdir, *args)` in the
+    process group (`rank_main`; `work` a module-level function, which pickles), and wait for
+    them: (rank 0's return value, None) when every rank ended well, (None, the first failure)
+    when one did not (the others are ended then). `handed_over` is called once rank 0 creates
+    REPORTING in `workdir`, or when the ranks end; when `stop_requested()` turns true, PREEMPT
+    is created there."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    world = claim.devices
-    workdir = Path(tempfile.mkdtemp(prefix=f"trainctl-ranks-{claim.attempt_id}-"))
     port = free_port()
     envs = {
         rank: {
@@ -284,16 +307,15 @@ def launch_ranks(
         }
         for rank in range(world)
     }
-    args = {rank: (claim.model_dump_json(), str(workdir)) for rank in range(world)}
     with _signals_kept():
         context = start_processes(
             name="trainctl-rank",
             entrypoint=rank_main,
-            args=args,
+            args={rank: (work, str(workdir), *args) for rank in range(world)},
             envs=envs,
             logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
         )
-    log.info("attempt %s: started %d ranks (master port %d)", claim.attempt_id, world, port)
+    log.info("started %d ranks (master port %d)", world, port)
     told = reporting = False
     try:
         while (result := context.wait(timeout=0.5, period=0.1)) is None:
@@ -326,23 +348,21 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def rank_main(claim_json: str, workdir: str) -> object:
-    """A rank process: join the group, train the phase, leave. Rank 0 reports to the service
-    and returns the phase's outcome; the others return None. A preemption notice reaches the
-    ranks from the parent only (the PREEMPT file, at a step's end on every rank at once):
-    SIGTERM and SIGINT sent to the whole process group (systemd, a terminal's Ctrl-C) would
-    otherwise kill them before the checkpoint the notice asks for."""
+def rank_main(work: Callable[..., object], workdir: str, *args: object) -> object:
+    """A rank process: join the group, do `work(device, workdir, *args)`, leave (`run_ranks`).
+    A preemption notice reaches the ranks from the parent only (the PREEMPT file, at a step's
+    end on every rank at once): SIGTERM and SIGINT sent to the whole process group (systemd, a
+    terminal's Ctrl-C) would otherwise kill them before the checkpoint the notice asks for."""
     _die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_rank_main)(claim_json, workdir)
+    return record(_joined)(work, Path(workdir), *args)
 
 
-def _rank_main(claim_json: str, workdir: str) -> object:
+def _joined(work: Callable[..., object], workdir: Path, *args: object) -> object:
     from runtime.logs import configure_logging
-    from worker.runner import run_rank
     from worker.settings import get_settings
 
     settings = get_settings()
@@ -359,17 +379,30 @@ def _rank_main(claim_json: str, workdir: str) -> object:
     )
     log.info("rank %d of %d (pid %d) joined on %s", rank, world, os.getpid(), device)
     try:
-        claim = Claim.model_validate_json(claim_json)
-        workflow = Workflow.model_validate(claim.workflow)
-        sharding = workflow.phase_resources(claim.phase_index).sharding
-        directory = Path(workdir)
-        return run_rank(
-            claim,
-            settings=settings,
-            ranks=Ranks(rank=rank, world=world, device=device, sharding=sharding),
-            device=device,
-            stop_requested=(directory / PREEMPT).exists,
-            reporting=lambda: (directory / REPORTING).touch(),
-        )
+        return work(device, workdir, *args)
     finally:
         dist.destroy_process_group()
+
+
+def train_rank(device: torch.device, workdir: Path, claim_json: str) -> object:
+    """A rank's work (`rank_main`): train the claimed phase. Rank 0 reports to the service and
+    returns the phase's outcome; the others return None."""
+    from worker.runner import run_rank
+    from worker.settings import get_settings
+
+    claim = Claim.model_validate_json(claim_json)
+    workflow = Workflow.model_validate(claim.workflow)
+    ranks = Ranks(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        device=device,
+        sharding=workflow.phase_resources(claim.phase_index).sharding,
+    )
+    return run_rank(
+        claim,
+        settings=get_settings(),
+        ranks=ranks,
+        device=device,
+        stop_requested=(workdir / PREEMPT).exists,
+        reporting=lambda: (workdir / REPORTING).touch(),
+    )
