@@ -4,10 +4,11 @@ The worker process that claimed the attempt (the parent) verifies its inputs, th
 rank processes as torchrun does (torch.distributed.elastic's `start_processes`; RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each one's environment) and supervises
 them: one rank that dies makes elastic end the others, and the parent reports the attempt
-failed (`infrastructure`, naming the rank and how it ended), so the service recovers it from
-its latest checkpoint as it does a lost worker's. Every collective has a timeout
-(TRAINCTL_COLLECTIVE_TIMEOUT_SECONDS), so a rank that hangs fails the attempt too. A rank dies
-with the parent (PR_SET_PDEATHSIG): a SIGKILLed worker leaves no rank training behind it.
+failed (`infrastructure`, naming the rank that failed first, by time, and its error or how it
+ended), so the service recovers it from its latest checkpoint as it does a lost worker's.
+Every collective has a timeout (TRAINCTL_COLLECTIVE_TIMEOUT_SECONDS), so a rank that hangs
+fails the attempt too. A rank dies with the parent (PR_SET_PDEATHSIG): a SIGKILLed worker
+leaves no rank training behind it.
 
 Rank 0 is the only one that speaks to the service (its own ServiceReporter, taking the lease
 over from the parent's), evaluates and checkpoints; the others train silently. All ranks hold
@@ -24,16 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -47,6 +50,9 @@ from contracts.workflow import Workflow
 from worker.error import TrainingError
 from worker.settings import WorkerSettings
 
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 log = logging.getLogger(__name__)
 
 Order = Literal["go", "pause", "preempt", "stop"]
@@ -55,6 +61,10 @@ Order = Literal["go", "pause", "preempt", "stop"]
 # parent then lets go of it); the parent creates PREEMPT when it gets a preemption notice.
 REPORTING = "reporting"
 PREEMPT = "preempt"
+# A rank whose work raised writes `failed-<rank>.json` there: when and why (`_first_failure`).
+_FAILED_NOTE = "failed-"
+# Elastic's name of an error file it has none of.
+_NOT_AVAILABLE = "<N/A>"
 
 _CPU = torch.device("cpu")
 _PR_SET_PDEATHSIG = 1
@@ -330,15 +340,58 @@ def run_ranks(
     if not reporting:
         handed_over()
     if result.is_failed():
-        rank, failure = min(result.failures.items())
-        how = (
-            f"signal {failure.signal_name()}"
-            if failure.exitcode < 0
-            else f"exit code {failure.exitcode}"
-        )
-        why = f": {failure.message}" if failure.message and "<N/A>" not in failure.message else ""
-        return None, RankFailure(rank, f"rank {rank} of {world} ended with {how}{why}")
+        return None, _first_failure(result.failures, _read_notes(workdir), world)
     return result.return_values.get(0), None
+
+
+@dataclass(frozen=True)
+class _Note:
+    """What a rank whose work raised wrote down (`rank_main`), before it left the group."""
+
+    at: int  # time.time_ns()
+    message: str
+
+
+def _note_failure(workdir: Path, rank: int, err: Exception) -> None:
+    note = {"at": time.time_ns(), "message": f"{type(err).__name__}: {err}"}
+    # Never instead of the error itself: without its note, the rank is judged by how it ended.
+    with contextlib.suppress(OSError):
+        (workdir / f"{_FAILED_NOTE}{rank}.json").write_text(json.dumps(note))
+
+
+def _read_notes(workdir: Path) -> dict[int, _Note]:
+    notes = {}
+    for path in workdir.glob(f"{_FAILED_NOTE}*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found = json.loads(path.read_text())
+            rank = int(path.stem.removeprefix(_FAILED_NOTE))
+            notes[rank] = _Note(at=int(found["at"]), message=str(found["message"]))
+    return notes
+
+
+def _first_failure(
+    failures: Mapping[int, ProcessFailure], notes: Mapping[int, _Note], world: int
+) -> RankFailure:
+    """The rank that failed first, not the lowest. A rank whose work raised noted when before
+    it left the group, so before any other rank could fail for its leaving (a collective error
+    on rank 0 after rank 1 ran out of memory): the earliest note is first. A rank that ended
+    without a note (a signal: killed, out of host memory) is first when it is the one elastic
+    saw end first (its `failures`): the others' errors followed from it. Elastic names one
+    rank per poll (0.1 s), the lowest of those that ended in it: a rank killed within one poll
+    of rank 0's own end is taken for rank 0's secondary error."""
+    for rank, failure in failures.items():
+        if rank not in notes:
+            return RankFailure(rank, f"rank {rank} of {world} ended with {_ending(failure)}")
+    rank = min(notes, key=lambda r: (notes[r].at, r))
+    return RankFailure(rank, f"rank {rank} of {world} failed: {notes[rank].message}")
+
+
+def _ending(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"signal {failure.signal_name()}"
+    said = failure.error_file_data.get("message") if failure.error_file != _NOT_AVAILABLE else None
+    said = said.get("message") if isinstance(said, dict) else said  # what `record` writes
+    return f"exit code {failure.exitcode}" + (f": {said}" if said else "")
 
 
 def _die_with_parent() -> None:
@@ -380,6 +433,10 @@ def _joined(work: Callable[..., object], workdir: Path, *args: object) -> object
     log.info("rank %d of %d (pid %d) joined on %s", rank, world, os.getpid(), device)
     try:
         return work(device, workdir, *args)
+    except Exception as err:
+        # Before leaving the group: a rank that fails because this one left notes later.
+        _note_failure(workdir, rank, err)
+        raise
     finally:
         dist.destroy_process_group()
 

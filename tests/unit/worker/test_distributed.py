@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -27,7 +30,7 @@ from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import sha256_file
 from contracts.workflow import Workflow
 from worker.checkpoint import MANIFEST, MODEL_WEIGHTS, RNG
-from worker.distributed import Ranks, free_port
+from worker.distributed import Ranks, free_port, run_ranks
 from worker.reporter import SilentReporter
 from worker.shards import SHARDS, SHARDS_METADATA
 from worker.trainer import train_phase
@@ -385,3 +388,37 @@ def test_each_rank_hashes_the_shards_it_wrote_and_a_corrupt_one_is_found_on_resu
     assert sorted(again["losses"]) == [3, 4]
     assert all(again["losses"][s] == two["losses"][s] for s in (3, 4))
     assert [f for f in again["hashed"] if theirs in f] == []
+
+
+def fail_first_on_rank_1(device: torch.device, workdir: Path) -> None:
+    """A rank's work (worker.distributed.run_ranks): rank 1 runs out of memory and is slow to
+    go (a process freeing a device's memory); rank 0, waiting for it in a collective, fails
+    after it but is gone first."""
+    if dist.get_rank() == 0:
+        dist.barrier()  # fails once rank 1 has left the group
+        return
+    # Slow to go: the interpreter waits at exit for this thread, until the parent ends it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.Thread(target=threading.Event().wait, args=(60,)).start()
+    raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1)")
+
+
+def test_a_failure_is_reported_as_the_first_rank_to_fail_not_the_lowest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's collective error, after rank 1's out-of-memory, must not hide it: the ranks
+    are ordered by when they failed, not by number nor by when they were seen to end."""
+    monkeypatch.setenv("TRAINCTL_DEVICE", "cpu")
+    monkeypatch.setenv("TRAINCTL_COLLECTIVE_TIMEOUT_SECONDS", "60")
+    value, failure = run_ranks(
+        fail_first_on_rank_1,
+        2,
+        (),
+        workdir=tmp_path,
+        stop_requested=lambda: False,
+        handed_over=lambda: None,
+    )
+    assert value is None and failure is not None
+    assert failure.rank == 1, failure.message
+    assert failure.message.startswith("rank 1 of 2 "), failure.message
+    assert "OutOfMemoryError: CUDA out of memory (injected on rank 1)" in failure.message
