@@ -378,8 +378,11 @@ def test_a_viewer_reads_every_run_without_controls_and_a_user_controls_only_its_
         with httpx.Client(
             base_url=live.url, headers={"Authorization": f"Bearer {user_token}"}, timeout=30
         ) as as_user:
-            workflow = live.submit("template")["id"]  # an admin's run the user must not see
-            body = {"workflow_id": live.run(workflow)["workflow_id"], "name": "users-own"}
+            admins = live.submit("template")["id"]  # an admin's run the user must not see
+            # The user submits the same document (an admin's workflow id is not the user's).
+            stored = live.api.get(f"/workflows/{live.run(admins)['workflow_id']}")
+            assert stored.status_code == 200, stored.text
+            body = {"workflow": stored.json()["workflow"], "name": "users-own"}
             created = as_user.post("/runs", json=body)
             assert created.status_code == 201, created.text
             own = created.json()["id"]
