@@ -23,14 +23,14 @@ import json
 import re
 import struct
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from sqlalchemy import select, union
 from sqlalchemy.orm import Session, aliased
 
-from contracts.paths import DataRoots
+from contracts.paths import DataRoots, PathUse
 from contracts.workflow import Workflow as WorkflowSpec
 from service.errors import ApiError
 from service.lifecycle import RunStatus
@@ -136,6 +136,23 @@ def source_run(
             {"field": field, "run": run_id, **({} if path is None else {"path": path})},
         )
     return run
+
+
+def check_run_folders(
+    *,
+    session: Session,
+    fields: Iterable[tuple[str, str | None, PathUse]],
+    roots: DataRoots,
+    owner_id: str | None,
+) -> None:
+    """Every path of `fields` (JSON path, absolute path, use) that resolves into a run's folder
+    of the artifact store, whatever it names (a checkpoint's tokenizer taken as a tokenizer, a
+    file copied there as data), is of that run: 404 as source_run when the caller may not see
+    it. Operators whose data roots hold the artifact store would otherwise open every run's
+    files to every user."""
+    for field, path, _ in fields:
+        if path is not None and (found := roots.in_runs(path)) is not None:
+            source_run(session=session, run_id=found[0], owner_id=owner_id, field=field, path=path)
 
 
 def source_checkpoint(

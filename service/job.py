@@ -33,7 +33,7 @@ from contracts.paths import DataRoots, PathUse
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
-from service.checkpoint import stored_checkpoint
+from service.checkpoint import check_run_folders, stored_checkpoint
 from service.db import database_now, rowcount
 from service.errors import ApiError, not_found, validation_details
 from service.models import Job, OutboxMessage, new_job_id, utcnow
@@ -72,19 +72,37 @@ def _refuse(where: str, problems: list[dict[str, str]]) -> ApiError:
 DataRequest = TypeVar("DataRequest", InspectRequest, PrepareRequest)
 
 
-def _confine(where: str, fields: list[tuple[str, str | None, PathUse]], roots: DataRoots) -> None:
+def _confine(
+    where: str,
+    fields: list[tuple[str, str | None, PathUse]],
+    roots: DataRoots,
+    *,
+    session: Session | None,
+    owner_id: str | None,
+) -> None:
+    """422 `path_outside_data_roots` for a path outside `roots`; then, with `session`, 404
+    `run_not_found` for one in the folder of a run `owner_id` may not see."""
     given = [(field, path, use) for field, path, use in fields if path is not None]
     if (refused := outside_roots(given, roots, where=where)) is not None:
         raise refused
+    if session is not None:
+        check_run_folders(session=session, fields=given, roots=roots, owner_id=owner_id)
 
 
 def resolve_dataset(
-    request: DataRequest, *, data_root: Path, route: str, roots: DataRoots | None = None
+    request: DataRequest,
+    *,
+    data_root: Path,
+    route: str,
+    roots: DataRoots | None = None,
+    session: Session | None = None,
+    owner_id: str | None = None,
 ) -> DataRequest:
     """An inspection's or a preparation's request with its paths resolved against
     `data_root`; 422 `path_outside_data_roots` when one resolves outside `roots` (default:
-    data_root alone), and then 422 `invalid_request` from `route` naming each field whose file
-    does not exist."""
+    data_root alone); with `session`, 404 `run_not_found` for a file in the folder of a run
+    `owner_id` (the caller's scope) may not see; and then 422 `invalid_request` from `route`
+    naming each field whose file does not exist."""
     resolved = request.model_copy(
         update={
             "path": resolve_path(request.path, data_root),
@@ -95,7 +113,8 @@ def resolve_dataset(
         ("path", resolved.path, "data"),
         ("tokenizer", resolved.tokenizer, "data"),
     ]
-    _confine(route, fields, roots or DataRoots.of([data_root]))
+    confined = roots or DataRoots.of([data_root])
+    _confine(route, fields, confined, session=session, owner_id=owner_id)
     checks: list[tuple[str, str, PathKind]] = [
         ("path", resolved.path, "file"),
         ("tokenizer", resolved.tokenizer, "path"),
@@ -122,9 +141,9 @@ def resolve_evaluate(
     when one resolves outside `roots` (default: data_root alone; a checkpoint may also lie in
     the artifact store's runs/), then 422 `invalid_request` naming each field whose file does
     not exist, and `tokenizer` when it is omitted and the checkpoint directory holds none.
-    With `session`, a checkpoint in a run's folder of the artifact store must be that run's
-    registered checkpoint directory, and of a run `owner_id` (the caller's scope) may see
-    (service.checkpoint.stored_checkpoint: 404 `run_not_found` otherwise)."""
+    With `session`, every file in a run's folder of the artifact store must be of a run
+    `owner_id` (the caller's scope) may see (404 `run_not_found` otherwise), and a checkpoint
+    there that run's registered checkpoint directory (service.checkpoint.stored_checkpoint)."""
     tokenizer = request.tokenizer
     resolved = request.model_copy(
         update={
@@ -139,7 +158,7 @@ def resolve_evaluate(
         ("tokenizer", resolved.tokenizer, "data"),
     ]
     roots = roots or DataRoots.of([data_root])
-    _confine("POST /evaluations", fields, roots)
+    _confine("POST /evaluations", fields, roots, session=session, owner_id=owner_id)
     if session is not None and (
         stored := stored_checkpoint(
             session=session,

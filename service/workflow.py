@@ -13,7 +13,7 @@ from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import WorkflowInvalid, json_path, path_fields, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
-from service.checkpoint import stored_checkpoint
+from service.checkpoint import check_run_folders, stored_checkpoint
 from service.db import insert_for
 from service.errors import ApiError, not_found
 from service.models import Workflow, WorkflowOwner, utcnow
@@ -69,16 +69,19 @@ def parse_workflow(
     """Validate a submitted document, relative paths resolved against `data_root`, and check
     the files it names. 422 `path_outside_data_roots` when a file resolves outside `roots`
     (default: `data_root` alone), before anything about the files is looked at; with
-    `session`, a pretrained directory in a run's folder of the artifact store then as
-    `stored_pretrained`; 422 `invalid_workflow` lists every other problem as
+    `session`, a file in a run's folder of the artifact store only of a run `owner_id` may see
+    (404 `run_not_found`, service.checkpoint.check_run_folders), and a pretrained directory
+    there then as `stored_pretrained`; 422 `invalid_workflow` lists every other problem as
     `{path, message}`."""
     if isinstance(doc, dict):
         doc = resolve_paths(doc, data_root)
         roots = roots or DataRoots.of([data_root])
-        refused = outside_roots(workflow_path_fields(doc), roots, where="workflow")
+        fields = workflow_path_fields(doc)
+        refused = outside_roots(fields, roots, where="workflow")
         if refused is not None:
             raise refused
         if session is not None:
+            check_run_folders(session=session, fields=fields, roots=roots, owner_id=owner_id)
             doc = stored_pretrained(doc, session=session, roots=roots, owner_id=owner_id)
     try:
         return validate_workflow_with_files(doc)

@@ -51,13 +51,19 @@ def inspect_dataset(
     pump: PumpDep,
     response: Response,
     background: BackgroundTasks,
+    token: ApiTokenDep,
 ) -> JobPublic:
     """Token statistics of one data file with the exact tokenizer and encoder of training,
     computed on a worker: 202 with the queued job; poll its Location until it has finished.
     Relative paths resolve against the service's data root; a missing file is 422, and so is
     one outside TRAINCTL_DATA_ROOTS (`path_outside_data_roots`)."""
     request = resolve_dataset(
-        body, data_root=settings.data_root, roots=settings.paths, route="POST /datasets/inspect"
+        body,
+        data_root=settings.data_root,
+        roots=settings.paths,
+        route="POST /datasets/inspect",
+        session=session,
+        owner_id=access.owner_filter(token),
     )
     audit.expect(session, "job.create", details={"kind": "inspection"})
     job = create_job(session=session, kind="inspection", request=request)
@@ -78,12 +84,18 @@ def prepare_dataset(
     pump: PumpDep,
     response: Response,
     background: BackgroundTasks,
+    token: ApiTokenDep,
 ) -> JobPublic:
     """Build one data file's token store on a worker ahead of time, the store a phase with the
     same tokenizer, objective and sequence_length would build before its first step: 202 with
     the queued job; its result is a contracts.jobs.PreparedStore. Paths as for inspect."""
     request = resolve_dataset(
-        body, data_root=settings.data_root, roots=settings.paths, route="POST /datasets/prepare"
+        body,
+        data_root=settings.data_root,
+        roots=settings.paths,
+        route="POST /datasets/prepare",
+        session=session,
+        owner_id=access.owner_filter(token),
     )
     audit.expect(session, "job.create", details={"kind": "preparation"})
     job = create_job(session=session, kind="preparation", request=request)

@@ -329,3 +329,31 @@ def test_a_checkpoint_path_in_the_artifact_store_reaches_only_a_run_its_caller_m
                 "invalid_initial_checkpoint",
             )
             assert source["id"] in error["message"] and "4, 8" in error["message"], error
+
+        # Files of Alice's run folder named as data or a tokenizer (a checkpoint holds its
+        # tokenizer): another road to her run, closed the same way; Alice may use them.
+        tokenizer = str(Path(path) / "tokenizer.json")
+        Path(tokenizer).write_text((tmp_path / "data" / "tokenizer.json").read_text())
+        (Path(path) / "held-out.jsonl").write_text('{"source": "a b", "target": "c"}\n')
+        data = str(Path(path) / "held-out.jsonl")
+        own_dir = str(write_model_dir(tmp_path / "data" / "bob-model"))
+        inspected = {"path": data, "tokenizer": "tokenizer.json", "objective": "summarization"}
+        file_roads: list[tuple[str, Any]] = [
+            ("/runs", {"workflow": {**workflow, "tokenizer": tokenizer}}),
+            (
+                "/workflows/validate",
+                {**workflow, "evals": [{**workflow["evals"][0], "data": data}]},
+            ),
+            ("/datasets/inspect", {**inspected, "sequence_length": 64}),
+            ("/datasets/prepare", {**inspected, "sequence_length": 64}),
+            ("/evaluations", {**evaluation, "checkpoint": own_dir, "tokenizer": tokenizer}),
+            ("/evaluations", {**evaluation, "checkpoint": own_dir, "data": data}),
+        ]
+        for route, body in file_roads:
+            foreign = bob.post(route, json=body)
+            absent = bob.post(route, json=json.loads(json.dumps(body).replace(*swap)))
+            assert_same_answer(foreign, absent, swap)
+        assert bob.get("/runs").json()["count"] == 1, "nothing of Bob's was created"
+        for route, body in file_roads:
+            mine = alice.post(route, json=body)
+            assert mine.status_code in (200, 201, 202), (route, mine.text)
