@@ -9,9 +9,10 @@ folder, where trainctl writes the checkpoints of runs. For a directory, every fi
 reader could open (what `contracts.signature.sha256_path` hashes) must resolve inside too: a
 link in a root that points out of it is refused like the path of its target.
 
-A path in a run's folder of the artifact store is another run's checkpoint: the service maps it
-to that run (`DataRoots.in_runs`) and checks it as it checks `{"run", "step"}`, so that a path
-reaches no run its caller may not see and pins what it names.
+A path in a run's folder of the artifact store is of that run: the service maps it to the run
+(`DataRoots.in_runs`), refuses it as a run that does not exist when its caller may not see the
+run (whatever the path names: a checkpoint, or a tokenizer or data file in the run's folder),
+and checks a checkpoint there as it checks `{"run", "step"}`, so that it pins what it names.
 
 The rule is applied to absolute paths; the reading side first resolves a relative one against
 its base folder (runtime.path.resolve_path). Nothing here is read but directory entries and
