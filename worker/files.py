@@ -46,3 +46,20 @@ def out_of_space(err: BaseException) -> OSError | None:
 
 def mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
+
+
+def no_space(err: OSError) -> str:
+    """What a user reads of a write that ran out of space (`err`, from out_of_space): where,
+    how much is free there now, and what to do."""
+    where = Path(os.fsdecode(err.filename)) if err.filename is not None else None
+    free = ""
+    folder = where
+    while folder is not None and not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent  # the file, or its half-written folder, may be gone already
+    if folder is not None and folder.is_dir():
+        free = f"; {mib(free_bytes(folder))} free in {folder}"
+    return (
+        f"no space left writing {where or 'a file'} ({err.strerror}){free}; free space there "
+        "(older runs' checkpoints, token stores no run needs) or move it, then resume the run "
+        "(trainctl runs resume)"
+    )

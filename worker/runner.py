@@ -26,6 +26,7 @@ from worker import metrics
 from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.distributed import Ranks, launch_ranks, owned_devices
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
+from worker.files import no_space, out_of_space
 from worker.model import select_device
 from worker.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.settings import WorkerSettings
@@ -288,11 +289,16 @@ def _train_and_finish(
     except (torch.OutOfMemoryError, MemoryError) as err:
         finish = _failed(claim, reporter, "oom", f"out of memory: {err} ({where})")
     except Exception as err:
-        if not report_crashes:
+        # Any write that met a full disk (a token store's, the spool's), not only a
+        # checkpoint's: another attempt would meet the same wall.
+        if (full := out_of_space(err)) is not None:
+            finish = _failed(claim, reporter, "disk_full", f"{no_space(full)} ({where})")
+        elif not report_crashes:
             raise
-        log.exception("%s failed", where)
-        message = f"{type(err).__name__}: {err} at {origin(err)} ({where})"
-        finish = _failed(claim, reporter, "infrastructure", message)
+        else:
+            log.exception("%s failed", where)
+            message = f"{type(err).__name__}: {err} at {origin(err)} ({where})"
+            finish = _failed(claim, reporter, "infrastructure", message)
     else:
         if outcome is None:
             return None

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -316,6 +317,35 @@ def test_a_checkpoint_that_does_not_fit_fails_the_attempt_with_cause_disk_full(
     assert "attempt attempt-1 of run run-1, phase 0" in finish["message"]
     assert "checkpoints" not in service.kinds()
     assert list(checkpoints.iterdir()) == []
+
+
+def test_any_write_that_runs_out_of_space_fails_the_attempt_with_cause_disk_full(
+    workflow: Workflow,
+    make_claim: Callable[..., Claim],
+    settings: WorkerSettings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not only a checkpoint: a token store built on a full disk (or the spool, an eval's
+    output) would meet the same wall on every retry. Its ENOSPC is disk_full, naming the path,
+    and the store's half-written directory is gone."""
+    from worker import store
+
+    written: list[Path] = []
+
+    def full(path: str, tokenizer: object, key: object, tmp: Path, **_: object) -> None:
+        tmp.mkdir()
+        written.append(tmp)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "ids.bin"))
+
+    monkeypatch.setattr(store, "_build", full)
+    service = InProcessService(make_claim(workflow))
+    assert attempt(service, settings) is None
+
+    (finish,) = service.of("finish")
+    assert (finish["status"], finish["cause"]) == ("failed", "disk_full")
+    assert f"{written[0] / 'ids.bin'}" in finish["message"]
+    assert "free" in finish["message"] and "resume" in finish["message"]
+    assert not written[0].exists()
 
 
 def test_a_stop_answer_ends_the_attempt_without_finishing(
