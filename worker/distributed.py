@@ -4,8 +4,9 @@ The worker process that claimed the attempt (the parent) verifies its inputs, th
 rank processes as torchrun does (torch.distributed.elastic's `start_processes`; RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each one's environment) and supervises
 them: one rank that dies makes elastic end the others, and the parent reports the attempt
-failed (`infrastructure`, naming the rank that failed first, by time, and its error or how it
-ended), so the service recovers it from its latest checkpoint as it does a lost worker's.
+failed, naming the rank that failed first, by time, and its error (with its cause, as on one
+device: `oom`, `disk_full`, ...) or how it ended (`infrastructure`, which the service recovers
+from its latest checkpoint as it does a lost worker's).
 Every collective has a timeout (TRAINCTL_COLLECTIVE_TIMEOUT_SECONDS), so a rank that hangs
 fails the attempt too. A rank dies with the parent (PR_SET_PDEATHSIG): a SIGKILLed worker
 leaves no rank training behind it.
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -45,9 +46,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from contracts.reports import Claim
+from contracts.reports import Claim, FailureCause
 from contracts.workflow import Workflow
-from worker.error import TrainingError
+from worker.error import TrainingError, failure_cause
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -265,6 +266,8 @@ def _signals_kept() -> Iterator[None]:
 class RankFailure:
     rank: int
     message: str
+    # As on one device (worker.error.failure_cause): a rank's out-of-memory is `oom`.
+    cause: FailureCause = "infrastructure"
 
 
 def launch_ranks(
@@ -350,10 +353,15 @@ class _Note:
 
     at: int  # time.time_ns()
     message: str
+    cause: FailureCause
 
 
 def _note_failure(workdir: Path, rank: int, err: Exception) -> None:
-    note = {"at": time.time_ns(), "message": f"{type(err).__name__}: {err}"}
+    note = {
+        "at": time.time_ns(),
+        "message": f"{type(err).__name__}: {err}",
+        "cause": failure_cause(err),
+    }
     # Never instead of the error itself: without its note, the rank is judged by how it ended.
     with contextlib.suppress(OSError):
         (workdir / f"{_FAILED_NOTE}{rank}.json").write_text(json.dumps(note))
@@ -365,7 +373,12 @@ def _read_notes(workdir: Path) -> dict[int, _Note]:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             found = json.loads(path.read_text())
             rank = int(path.stem.removeprefix(_FAILED_NOTE))
-            notes[rank] = _Note(at=int(found["at"]), message=str(found["message"]))
+            cause = found.get("cause")
+            notes[rank] = _Note(
+                at=int(found["at"]),
+                message=str(found["message"]),
+                cause=cause if cause in get_args(FailureCause) else "infrastructure",
+            )
     return notes
 
 
@@ -383,7 +396,8 @@ def _first_failure(
         if rank not in notes:
             return RankFailure(rank, f"rank {rank} of {world} ended with {_ending(failure)}")
     rank = min(notes, key=lambda r: (notes[r].at, r))
-    return RankFailure(rank, f"rank {rank} of {world} failed: {notes[rank].message}")
+    note = notes[rank]
+    return RankFailure(rank, f"rank {rank} of {world} failed: {note.message}", note.cause)
 
 
 def _ending(failure: ProcessFailure) -> str:

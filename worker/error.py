@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import traceback
 
+import torch
+
 from contracts.reports import FailureCause
+from worker.files import out_of_space
 
 
 class TrainingError(Exception):
@@ -71,3 +74,16 @@ def origin(err: BaseException) -> str:
         return "unknown location"
     frame = frames[-1]
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+def failure_cause(err: BaseException) -> FailureCause:
+    """The cause an attempt that ended with `err` is reported with: a TrainingError's own;
+    out of memory (the device's or the host's) `oom`; a write that met a full disk
+    `disk_full`; anything else `infrastructure`, which the service retries."""
+    if isinstance(err, TrainingError):
+        return err.cause
+    if isinstance(err, torch.OutOfMemoryError | MemoryError):
+        return "oom"
+    if out_of_space(err) is not None:
+        return "disk_full"
+    return "infrastructure"

@@ -170,7 +170,7 @@ def _train_on_ranks(
 ) -> PhaseOutcome | None:
     """The parent of a phase on `claim.devices` ranks: verify the inputs once, start the
     ranks (worker.distributed) and hand them the lease; rank 0 reports and finishes the
-    attempt. A rank that fails ends the attempt here, as an infrastructure failure."""
+    attempt. A rank that fails ends the attempt here, with the first failed rank's cause."""
 
     verified = False
 
@@ -198,7 +198,9 @@ def _train_on_ranks(
     drain_spools(client, settings.spool_dir)
     again = _reporter(claim, settings, client)
     try:
-        return _train_and_finish(claim, again, lambda: _raise(TrainingError(failure.message)))
+        error = TrainingError(failure.message)
+        error.cause = failure.cause
+        return _train_and_finish(claim, again, lambda: _raise(error))
     finally:
         again.close()
 

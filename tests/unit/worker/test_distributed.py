@@ -422,3 +422,5 @@ def test_a_failure_is_reported_as_the_first_rank_to_fail_not_the_lowest(
     assert failure.rank == 1, failure.message
     assert failure.message.startswith("rank 1 of 2 "), failure.message
     assert "OutOfMemoryError: CUDA out of memory (injected on rank 1)" in failure.message
+    # And its cause: an out-of-memory is `oom` (not retried), as on one device.
+    assert failure.cause == "oom"
