@@ -32,77 +32,19 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from typing import Literal
+
+from worker.failpoint_spec import Armed, parse
+from worker.settings import get_settings
 
 log = logging.getLogger(__name__)
-
-POINTS = ("before_step", "after_step", "mid_checkpoint", "after_checkpoint")
-Action = Literal["kill", "slow", "hang", "full"]
-_PREFIXES: tuple[tuple[str, Action], ...] = (
-    ("slow_", "slow"),
-    ("hang_", "hang"),
-    ("full_", "full"),
-)
-_GRAMMAR = (
-    "expected point@step, slow_point@step=seconds, hang_point@step or full_point@step, with "
-    "point one of "
-    f"{', '.join(POINTS)}, step a non-negative integer and seconds a number >= 0"
-)
-
-
-@dataclass(frozen=True)
-class Armed:
-    action: Action
-    seconds: float = 0.0
-    # The item as written, for the log line.
-    spec: str = ""
-
 
 _armed: dict[tuple[str, int], Armed] | None = None
 # Set by nothing: `hang` waits on it forever (a unit test swaps in one it can set).
 _never = threading.Event()
-
-
-def parse(spec: str) -> dict[tuple[str, int], Armed]:
-    """`"mid_checkpoint@10, slow_before_step@3=6"` ->
-    {("mid_checkpoint", 10): kill, ("before_step", 3): slow for 6 s}."""
-    armed: dict[tuple[str, int], Armed] = {}
-    for item in (part.strip() for part in spec.split(",")):
-        if not item:
-            continue
-        where, what = _parse_item(item)
-        if where in armed:
-            raise ValueError(f"failpoint {item!r}: {where[0]}@{where[1]} is armed twice")
-        armed[where] = what
-    return armed
-
-
-def _parse_item(item: str) -> tuple[tuple[str, int], Armed]:
-    bad = ValueError(f"failpoint {item!r}: {_GRAMMAR}")
-    name, at, rest = item.partition("@")
-    step, equals, value = rest.partition("=")
-    name, step = name.strip(), step.strip()
-    action: Action = "kill"
-    for prefix, kind in _PREFIXES:
-        if name.startswith(prefix):
-            name, action = name.removeprefix(prefix), kind
-    if name not in POINTS or not at or not step.isdigit() or (action == "slow") != bool(equals):
-        raise bad
-    seconds = 0.0
-    if action == "slow":
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise bad from None
-        if not 0 <= seconds < math.inf:
-            raise bad
-    return (name, int(step)), Armed(action=action, seconds=seconds, spec=item)
 
 
 def arm(spec: str) -> None:
@@ -116,8 +58,7 @@ def hit(name: str, step: int) -> None:
     otherwise."""
     global _armed
     if _armed is None:
-        from worker.settings import get_settings  # read once, on the first hit
-
+        # The settings are read once, on the first hit.
         _armed = parse(get_settings().test_failpoints)
     armed = _armed.get((name, step))
     if armed is None:

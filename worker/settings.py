@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from contracts.dispatch import DEFAULT_QUEUE
 from contracts.paths import DataRoots, split_roots
 from runtime.logs import LogFormat
+from worker.failpoint_spec import parse
 
 
 class WorkerSettings(BaseSettings):
@@ -75,8 +76,6 @@ class WorkerSettings(BaseSettings):
     @field_validator("test_failpoints")
     @classmethod
     def _parse_failpoints(cls, value: str) -> str:
-        from worker.failpoint import parse
-
         parse(value)  # fail fast on a typo: a test that arms nothing proves nothing
         return value
 
