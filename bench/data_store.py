@@ -7,12 +7,12 @@ that each peak RSS is the process's own:
   the store's ENCODE_BATCH, with the same threads: the floor the store's build is held to;
 - **fast baseline**: the same with `encode_batch_fast` (no character offsets), the call the
   store's encoder makes: what is left of the build's own work beside the tokenizer's;
-- **build**: `worker.store.ensure_store` writing the store (reading, parsing, encoding,
+- **build**: `worker.data.store.ensure_store` writing the store (reading, parsing, encoding,
   measuring every record, writing the maps), with its peak RSS;
 - **start**: a phase start on the built store: the digest check of the data file
   (`runtime.digest.digest_path`, the stat cache) and `worker.data.load_phase_data`, then the
   first 20 batches read from the maps, with the process's peak RSS;
-- **inspection**: `worker.inspect.inspect_file` of the file from its built store, with its peak
+- **inspection**: `worker.data.inspect.inspect_file` of the file from its built store, with its peak
   RSS;
 - **old start** (sizes up to `--old-max`): what a phase start cost before the store, reading
   and encoding the whole corpus into Python objects (`encode_records` over `read_records`).
@@ -125,7 +125,7 @@ def write_pairs_corpus(path: Path, tokens: int) -> int:
 
 
 def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
-    from worker.model import load_tokenizer
+    from worker.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(TOKENIZER)
     text = objective == "continued_pretrain"
@@ -134,8 +134,8 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
     cpu_before = usage.ru_utime + usage.ru_stime
     out: dict[str, Any] = {}
     if mode in ("baseline", "fast"):
-        from worker.records import read_lines
-        from worker.store import ENCODE_BATCH
+        from worker.data.records import read_lines
+        from worker.data.store import ENCODE_BATCH
 
         encode = tokenizer.encode_batch if mode == "baseline" else tokenizer.encode_batch_fast
         lines = []
@@ -150,15 +150,15 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
         tokens += sum(len(e.ids) for e in encode(lines))
         out["tokens"] = tokens
     elif mode == "build":
-        from worker.store import Stores
+        from worker.data.store import Stores
 
         stores = Stores(Path(root), tokenizer)
         store = stores.get(path, fit=None if text else PAIR_SEQ)
         out["tokens"] = store.tokens
     elif mode == "inspect":
         from contracts.jobs import InspectRequest
-        from worker.inspect import inspect_file
-        from worker.store import Stores
+        from worker.data.inspect import inspect_file
+        from worker.data.store import Stores
 
         request = InspectRequest(
             path=path,
@@ -169,8 +169,8 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
         out["records"] = inspect_file(request, stores=Stores(Path(root), tokenizer)).records
     elif mode in ("start", "old"):
         from contracts.workflow import Phase
-        from worker.data import batch_for_step, load_phase_data
-        from worker.store import Stores
+        from worker.data.batch import batch_for_step, load_phase_data
+        from worker.data.store import Stores
 
         phase = Phase.model_validate(
             {
@@ -187,8 +187,8 @@ def child(mode: str, path: str, root: str, objective: str) -> dict[str, Any]:
             stores.key(path, None)  # the digest check of verify_inputs, from the stat cache
             data = load_phase_data(phase, tokenizer, stores=stores)
         else:
-            from worker.encode import encode_records
-            from worker.records import read_records
+            from worker.data.encode import encode_records
+            from worker.data.records import read_records
 
             records = read_records(path)
             encoded = encode_records(tokenizer, records, sequence_length=None if text else PAIR_SEQ)

@@ -54,8 +54,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import Digests
 from contracts.workflow import OBJECTIVES, Workflow
-from worker.data import batch_for_step, load_phase_data
-from worker.model import configure_determinism, load_tokenizer
+from worker.data.batch import batch_for_step, load_phase_data
+from worker.data.tokenizer import load_tokenizer
+from worker.model import configure_determinism
 from worker.optim import build_optimizers
 from worker.reporter import Action
 from worker.trainer import train_phase

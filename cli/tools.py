@@ -57,8 +57,8 @@ def _local_store_root() -> Path:
     """Where local tools keep token stores: the embedded service's artifact store
     (TRAINCTL_ARTIFACT_ROOT, default ~/.trainctl/artifacts), as its workers do, so a file
     inspected, prepared or evaluated here is not tokenized again by a run."""
+    from worker.data.store import store_root
     from worker.settings import WorkerSettings
-    from worker.store import store_root
 
     return store_root(WorkerSettings().artifact_root)
 
@@ -114,9 +114,9 @@ def data_inspect(
             raise fail(f"inspection {job['id']} failed: {job.get('error')}", EXIT_BAD_INPUT)
         report = InspectionReport.model_validate(job["result"])
     else:
-        from worker.inspect import inspect_file
-        from worker.model import load_tokenizer
-        from worker.store import Stores
+        from worker.data.inspect import inspect_file
+        from worker.data.store import Stores
+        from worker.data.tokenizer import load_tokenizer
 
         report = local(
             lambda: inspect_file(
@@ -162,8 +162,8 @@ def data_prepare(
             raise fail(f"preparation {job['id']} failed: {job.get('error')}", EXIT_BAD_INPUT)
         prepared = PreparedStore.model_validate(job["result"])
     else:
-        from worker.model import load_tokenizer
-        from worker.store import Stores, prepare_file
+        from worker.data.store import Stores, prepare_file
+        from worker.data.tokenizer import load_tokenizer
 
         prepared = local(
             lambda: prepare_file(

@@ -42,7 +42,7 @@ SUPERVISED_OBJECTIVES: tuple[str, ...] = tuple(o for o in OBJECTIVES if o != "co
 # post-training has begun, so that the model keeps what it learned; all of it counts as replay.
 Role = Literal["train", "replay"]
 
-# The version of the rules that turn records into token ids and loss masks (worker/encode.py,
+# The version of the rules that turn records into token ids and loss masks (worker/data/encode.py,
 # docs/data.md). Part of every run's signature: a run never resumes under other encoding rules.
 # Bump it whenever the same record would encode differently.
 ENCODER_VERSION = 3

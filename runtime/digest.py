@@ -9,7 +9,7 @@ file (of every file, for a directory). Size and mtime alone do not say it: `cp -
 user cannot put ctime back (the kernel stamps it at every write and every utime), so such a
 file is hashed again. What this still misses: a rewrite within one tick of the kernel's coarse
 clock (a few ms) of the change that was hashed; the token store's build checks the bytes it
-reads against its digest (worker/store.py).
+reads against its digest (worker/data/store.py).
 
 Entries live in the process (LRU) and, where the caller names a directory, one small JSON file
 per path under it: a restarted worker does not read a 100 GB corpus again.

@@ -55,7 +55,7 @@ PUBLIC = {
     "evaluation": ("/evaluations", "POST /evaluations starts an evaluation"),
     "preparation": ("/datasets/preparations", "POST /datasets/prepare starts a preparation"),
 }
-# The file of a tokenizer saved in a checkpoint directory (worker.model.load_tokenizer).
+# The file of a tokenizer saved in a checkpoint directory (worker.data.tokenizer.load_tokenizer).
 TOKENIZER_FILE = "tokenizer.json"
 
 

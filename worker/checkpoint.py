@@ -33,10 +33,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from contracts.reports import Claim
 from worker import failpoint
+from worker.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 from worker.error import CheckpointError, DiskFull, SignatureMismatch
 from worker.files import free_bytes, fsync_dir, fsync_file, mib, out_of_space
 from worker.manifest import Entry, check, describe
-from worker.model import EOS_TOKEN, PAD_TOKEN, WEIGHTS_FILE
+from worker.model import WEIGHTS_FILE
 from worker.optim import Optimizers
 from worker.shards import SHARDS, SHARDS_METADATA, ShardedSave, has_shards
 

@@ -1,6 +1,6 @@
 """Per-task evaluation: token-weighted, target-only cross-entropy over a whole eval file.
 
-Records go through the one encoder (worker.encode, read from the token store that training
+Records go through the one encoder (worker.data.encode, read from the token store that training
 reads) and the loss through the one objective
 (worker.objective), so an eval number is the training loss without gradients. A supervised
 record that does not fit is skipped and counted in `oversized_records`; one without target
@@ -21,12 +21,12 @@ from transformers import PreTrainedModel
 from contracts.jobs import EvaluateRequest
 from contracts.reports import EvalResult
 from contracts.workflow import EvalSpec, perplexity
-from worker.data import IGNORE_INDEX, StoredRecord, record_row, stack_rows, window_row
-from worker.encode import ZERO_TARGET
+from worker.data.batch import IGNORE_INDEX, StoredRecord, record_row, stack_rows, window_row
+from worker.data.encode import ZERO_TARGET
+from worker.data.store import KINDS, Stores
+from worker.data.tokenizer import load_tokenizer, special_token_ids
 from worker.error import ConfigError, DataError
-from worker.model import load_tokenizer, special_token_ids
 from worker.objective import objective_loss
-from worker.store import KINDS, Stores
 
 
 @dataclass(frozen=True)

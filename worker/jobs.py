@@ -102,25 +102,25 @@ def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -
     parsed = models[kind].model_validate(request)
     confine(parsed, settings.paths())
     if kind == "inspection":
-        from worker.inspect import inspect_file
-        from worker.model import load_tokenizer
-        from worker.store import Stores, store_root
+        from worker.data.inspect import inspect_file
+        from worker.data.store import Stores, store_root
+        from worker.data.tokenizer import load_tokenizer
 
         inspect = InspectRequest.model_validate(request)
         stores = Stores(store_root(settings.artifact_root), load_tokenizer(inspect.tokenizer))
         return inspect_file(inspect, stores=stores)
     if kind == "preparation":
-        from worker.model import load_tokenizer
-        from worker.store import Stores, prepare_file, store_root
+        from worker.data.store import Stores, prepare_file, store_root
+        from worker.data.tokenizer import load_tokenizer
 
         prepare = PrepareRequest.model_validate(request)
         stores = Stores(store_root(settings.artifact_root), load_tokenizer(prepare.tokenizer))
         return prepare_file(prepare, stores)
     import torch
 
+    from worker.data.store import store_root
     from worker.evaluate import evaluate_checkpoint
     from worker.model import select_device
-    from worker.store import store_root
 
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)

@@ -1,4 +1,4 @@
-"""The model, its tokenizer and the device they run on."""
+"""The model and the device it runs on (its tokenizer: worker.data.tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from contracts.workflow import Workflow
 from worker.error import ConfigError
 from worker.rng import PrivateRandom
 
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-TOKENIZER_FILE = "tokenizer.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
@@ -40,37 +36,6 @@ def configure_determinism(device: torch.device) -> None:
     """On CPU, training is float32 and bit-reproducible (a resumed run equals an uninterrupted
     one); on CUDA it runs under bf16 autocast (see `worker.objective`) and is not."""
     torch.use_deterministic_algorithms(device.type == "cpu")
-
-
-# --- tokenizer ------------------------------------------------------------------------------
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A `tokenizers` tokenizer from a tokenizer.json, or a directory holding one. It must know
-    EOS_TOKEN (joins documents, ends targets) and PAD_TOKEN (fills short rows)."""
-    path = Path(path)
-    file = path / TOKENIZER_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(f"tokenizer: {file} not found")
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-        raise ConfigError(f"tokenizer: {file} cannot be loaded: {err}") from err
-    missing = [t for t in (EOS_TOKEN, PAD_TOKEN) if tokenizer.token_to_id(t) is None]
-    if missing:
-        raise ConfigError(
-            f"tokenizer {file} lacks the special token(s) {', '.join(missing)}; "
-            f"trainctl needs {EOS_TOKEN} (end of document) and {PAD_TOKEN} (padding): "
-            "add them as special tokens and retrain or extend the tokenizer"
-        )
-    return tokenizer
-
-
-def special_token_ids(tokenizer: Tokenizer) -> tuple[int, int]:
-    """(eos_id, pad_id)."""
-    eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
-    assert eos is not None and pad is not None, "load_tokenizer checks both"
-    return eos, pad
 
 
 # --- model ----------------------------------------------------------------------------------

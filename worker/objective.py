@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from worker.data import IGNORE_INDEX, Batch
+from worker.data.batch import IGNORE_INDEX, Batch
 
 
 def objective_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:

@@ -10,7 +10,7 @@ random draw that accepts one, replaces dropout and attention dropout with versio
 from it, and refuses the few random functions it cannot redirect rather than let them draw from
 the shared stream unseen.
 
-Data order draws from numpy generators of its own (`worker.data`); nothing of a phase draws
+Data order draws from numpy generators of its own (`worker.data.batch`); nothing of a phase draws
 from Python's or numpy's global streams either.
 """
 

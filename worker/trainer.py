@@ -39,18 +39,19 @@ from worker.checkpoint import (
     temporary_name,
     verify_checkpoint,
 )
-from worker.data import PhaseData, batch_for_step, load_phase_data
+from worker.data.batch import PhaseData, batch_for_step, load_phase_data
+from worker.data.store import Stores, artifact_root, store_root
+from worker.data.tokenizer import load_tokenizer
 from worker.distributed import Order, Ranks, shard_like
 from worker.error import CheckpointError, ConfigError, NonFiniteLoss, TrainingError
 from worker.evaluate import EvalData, evaluate_task, load_eval_data
-from worker.model import build_model, configure_determinism, load_tokenizer, load_weights
+from worker.model import build_model, configure_determinism, load_weights
 from worker.objective import StepLoss, backward_step
 from worker.optim import Optimizers, build_optimizers
 from worker.reporter import Reporter
 from worker.rng import PrivateRandom
 from worker.schedule import lr_multiplier
 from worker.shards import ShardedSave, ShardWriter, read_shards, verifier_of
-from worker.store import Stores, artifact_root, store_root
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import zstandard
 from contracts.jobs import InspectionReport, InspectRequest
 from contracts.workflow import OBJECTIVES, Workflow, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
-from worker.inspect import inspect_file
+from worker.data.inspect import inspect_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORKFLOWS = sorted((EXAMPLES / "workflows").glob("*.json"))

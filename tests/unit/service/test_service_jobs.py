@@ -411,7 +411,7 @@ def service_client(api: Api) -> ServiceClient:
 def test_worker_runs_a_job_and_posts_its_report(
     api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from worker import inspect
+    from worker.data import inspect
     from worker.jobs import run_job
 
     def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
@@ -468,7 +468,7 @@ def test_worker_prepares_a_store_once_and_posts_where_it_is(api: Api, tmp_path: 
 def test_worker_reports_a_bad_file_as_a_failed_job_with_its_message(
     api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from worker import inspect
+    from worker.data import inspect
     from worker.jobs import run_job
 
     def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
@@ -488,7 +488,7 @@ def test_worker_reports_a_bad_file_as_a_failed_job_with_its_message(
 def test_worker_reports_an_unexpected_error_with_its_type_and_place(
     api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from worker import inspect
+    from worker.data import inspect
     from worker.jobs import run_job
 
     def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:

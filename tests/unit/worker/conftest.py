@@ -75,7 +75,7 @@ def tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def tokenizer(tokenizer_path: Path) -> Tokenizer:
-    from worker.model import load_tokenizer
+    from worker.data.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer_path)
 

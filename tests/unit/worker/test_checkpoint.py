@@ -33,8 +33,9 @@ from worker.checkpoint import (
     verify_checkpoint,
     write_temporary,
 )
+from worker.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 from worker.error import CheckpointError
-from worker.model import EOS_TOKEN, PAD_TOKEN, build_model, load_weights
+from worker.model import build_model, load_weights
 from worker.optim import Optimizers, build_optimizers
 from worker.rng import PrivateRandom
 from worker.shards import SHARDS, ShardedSave

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedModel
 
 from contracts.workflow import Phase
-from worker.data import (
+from worker.data.batch import (
     IGNORE_INDEX,
     Batch,
     PhaseData,
@@ -28,12 +28,12 @@ from worker.data import (
     mixture_schedule,
     packed_rows,
 )
-from worker.encode import encode_record, encode_records
+from worker.data.encode import encode_record, encode_records
+from worker.data.records import parse_record, read_records
+from worker.data.store import ENCODE_BATCH
+from worker.data.tokenizer import EOS_TOKEN, special_token_ids
 from worker.error import DataError
-from worker.model import EOS_TOKEN, special_token_ids
 from worker.objective import objective_loss
-from worker.records import parse_record, read_records
-from worker.store import ENCODE_BATCH
 
 ENVELOPE = 128  # sequence_length x microbatch_size of every source below
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from worker.encode import Encoded, encode_record, encode_records
-from worker.model import EOS_TOKEN
-from worker.records import Record, parse_record
+from worker.data.encode import Encoded, encode_record, encode_records
+from worker.data.records import Record, parse_record
+from worker.data.tokenizer import EOS_TOKEN
 
 INSTRUCTION = "Answer from the passages.\n"
 FIRST = " the cat sat on the mat and then it ran"

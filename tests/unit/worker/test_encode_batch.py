@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.encode import EncodedBatch, assemble, assemble_batch
-from worker.records import Record, parse_record
+from worker.data.encode import EncodedBatch, assemble, assemble_batch
+from worker.data.records import Record, parse_record
 
 EOS = 3
 

@@ -17,13 +17,13 @@ from transformers import PreTrainedModel
 
 from contracts.jobs import EvaluateRequest
 from contracts.workflow import EvalSpec, perplexity
-from worker.data import Batch, packed_rows, record_row, stack_rows, window_row
-from worker.encode import Encoded, encode_records
+from worker.data.batch import Batch, packed_rows, record_row, stack_rows, window_row
+from worker.data.encode import Encoded, encode_records
+from worker.data.records import parse_record, read_records
+from worker.data.tokenizer import special_token_ids
 from worker.error import ConfigError, DataError
 from worker.evaluate import evaluate_checkpoint, evaluate_task, load_eval_data
-from worker.model import special_token_ids
 from worker.objective import backward_step, objective_loss
-from worker.records import parse_record, read_records
 
 SEQ = 32
 

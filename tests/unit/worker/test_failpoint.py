@@ -161,7 +161,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM
 from contracts.workflow import OptimizerSpec
 from worker.checkpoint import CheckpointState, CheckpointWriter
-from worker.model import load_tokenizer
+from worker.data.tokenizer import load_tokenizer
 from worker.optim import build_optimizers
 
 config = dict(__CONFIG__)

@@ -14,11 +14,11 @@ from tokenizers import Tokenizer
 
 from contracts.jobs import InspectionReport, InspectRequest, LengthStats, SegmentSurvival
 from contracts.workflow import InspectionGate, Phase
-from worker.data import load_phase_data
-from worker.encode import encode_records
+from worker.data.batch import load_phase_data
+from worker.data.encode import encode_records
+from worker.data.inspect import inspect_file, summarize
+from worker.data.records import read_records
 from worker.error import DataError
-from worker.inspect import inspect_file, summarize
-from worker.records import read_records
 
 SEQ = 32
 PASSAGE = " the cat sat on the mat"

@@ -1,4 +1,4 @@
-"""Preparing a token store ahead of time (worker.store.prepare_file): it builds the store a
+"""Preparing a token store ahead of time (worker.data.store.prepare_file): it builds the store a
 phase of the same objective and sequence_length maps, once, and says whether it built it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from contracts.jobs import PrepareRequest
-from worker import store as store_module
+from worker.data import store as store_module
+from worker.data.store import META, Stores, prepare_file
 from worker.error import DataError
-from worker.store import META, Stores, prepare_file
 
 SEQ = 32
 
@@ -55,7 +55,7 @@ def test_a_prepared_store_is_the_one_a_phase_maps_and_is_built_once(
     assert (meta["records"], meta["tokens"], meta["identity"]["fit"]) == (20, first.tokens, SEQ)
     assert first.tokens > 0 and first.seconds >= 0
 
-    # What a supervised phase at this sequence_length opens (worker.data), from a fresh
+    # What a supervised phase at this sequence_length opens (worker.data.batch), from a fresh
     # Stores as a later attempt has: the prepared store, not a new build.
     phase = Stores(tmp_path / "tokens", tokenizer).get(str(path), fit=SEQ)
     assert str(phase.path) == first.store and builds == [str(path)]

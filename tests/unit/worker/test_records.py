@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from worker.data.records import Message, Record, Segment, read_records
 from worker.error import DataError
-from worker.records import Message, Record, Segment, read_records
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

@@ -5,7 +5,7 @@ concurrently running test also drew from, so one model's masks depended on its n
 Here a thread draws from a global stream (torch's, numpy's, Python's) for the whole of a
 training phase, weight initialisation included; the phase's losses and final weights must be
 bit-identical to a quiet run's. The data path draws from private numpy generators
-(`worker.data._epoch_rng`); initialisation and dropout from a private torch generator
+(`worker.data.batch._epoch_rng`); initialisation and dropout from a private torch generator
 (`worker.rng.PrivateRandom`).
 """
 

@@ -328,7 +328,7 @@ def test_any_write_that_runs_out_of_space_fails_the_attempt_with_cause_disk_full
     """Not only a checkpoint: a token store built on a full disk (or the spool, an eval's
     output) would meet the same wall on every retry. Its ENOSPC is disk_full, naming the path,
     and the store's half-written directory is gone."""
-    from worker import store
+    from worker.data import store
 
     written: list[Path] = []
 

@@ -20,13 +20,11 @@ from test_inspect import MIXED, SEQ
 from tokenizers import Tokenizer
 
 from contracts.signature import sha256_file
-from worker import store as store_module
-from worker.encode import encode_records
-from worker.error import DataError
-from worker.inspect import summarize, summarize_store
-from worker.model import EOS_TOKEN
-from worker.records import read_records
-from worker.store import (
+from worker.data import store as store_module
+from worker.data.encode import encode_records
+from worker.data.inspect import summarize, summarize_store
+from worker.data.records import read_records
+from worker.data.store import (
     ABANDONED_AFTER_SECONDS,
     KINDS,
     META,
@@ -38,6 +36,8 @@ from worker.store import (
     id_dtype,
     open_store,
 )
+from worker.data.tokenizer import EOS_TOKEN
+from worker.error import DataError
 
 Rewrite = Callable[[Path, bytes], None]
 

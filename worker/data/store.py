@@ -54,11 +54,11 @@ from contracts.jobs import PreparedStore, PrepareRequest
 from contracts.reports import Claim
 from contracts.workflow import ENCODER_VERSION
 from runtime.digest import digest_path
-from worker.encode import ZERO_TARGET, EncodedBatch, assemble_batch, tokenize, too_long
+from worker.data.encode import ZERO_TARGET, EncodedBatch, assemble_batch, tokenize, too_long
+from worker.data.records import ELASTIC, Record, iter_records
+from worker.data.tokenizer import special_token_ids
 from worker.error import DataError
 from worker.files import fsync_dir, fsync_file
-from worker.model import special_token_ids
-from worker.records import ELASTIC, Record, iter_records
 
 if TYPE_CHECKING:
     from hashlib import _Hash as Hash

@@ -30,10 +30,10 @@ from tokenizers import Tokenizer
 
 from contracts.jobs import InspectionReport
 from contracts.workflow import Phase, SourceGeometry
+from worker.data.inspect import summarize_store
+from worker.data.store import KINDS, Stores, TokenFile
+from worker.data.tokenizer import special_token_ids
 from worker.error import DataError
-from worker.inspect import summarize_store
-from worker.model import special_token_ids
-from worker.store import KINDS, Stores, TokenFile
 
 IGNORE_INDEX = -100  # label of a position that is not a target (torch's cross_entropy default)
 _GOLDEN = (math.sqrt(5) - 1) / 2

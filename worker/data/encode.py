@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from worker.model import special_token_ids
-from worker.records import Record
+from worker.data.records import Record
+from worker.data.tokenizer import special_token_ids
 
 # The encoding rules' version (contracts.workflow.ENCODER_VERSION) is part of every run's
 # signature; bump it there whenever the same record would encode differently.

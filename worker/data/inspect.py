@@ -24,10 +24,10 @@ from contracts.jobs import (
     SegmentSurvival,
 )
 from contracts.workflow import Objective
-from worker.encode import Encoded, EncodedBatch
-from worker.model import load_tokenizer
-from worker.records import ELASTIC, Record, read_lines
-from worker.store import DROPPED, KEPT, KINDS, TRIMMED, Columns, Stores, TokenFile
+from worker.data.encode import Encoded, EncodedBatch
+from worker.data.records import ELASTIC, Record, read_lines
+from worker.data.store import DROPPED, KEPT, KINDS, TRIMMED, Columns, Stores, TokenFile
+from worker.data.tokenizer import load_tokenizer
 
 MAX_PROBLEMS = 50  # problems listed with their line numbers; all are counted
 
