@@ -28,8 +28,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from contracts.workflow import OptimizerSpec
 from worker.checkpoint import CheckpointState, CheckpointWriter
-from worker.optim import build_optimizers
-from worker.rng import PrivateRandom
+from worker.model.optim import build_optimizers
+from worker.model.rng import PrivateRandom
 
 MODEL = {
     "vocab_size": 512,

@@ -237,7 +237,7 @@ def stored_checkpoint(
 # `save_pretrained` output, and that the tensors agree with what the workflow's model config
 # states: the token embedding is [vocab_size, hidden_size], the output head [vocab_size, ...],
 # and the layers number num_hidden_layers. The worker checks every name and shape strictly when
-# it loads them (worker.model.load_weights). Nothing is ever unpickled.
+# it loads them (worker.model.model.load_weights). Nothing is ever unpickled.
 
 WEIGHTS_FILE: Final = "model.safetensors"
 WEIGHTS_INDEX_FILE: Final = "model.safetensors.index.json"

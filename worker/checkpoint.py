@@ -37,8 +37,8 @@ from worker.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 from worker.error import CheckpointError, DiskFull, SignatureMismatch
 from worker.files import free_bytes, fsync_dir, fsync_file, mib, out_of_space
 from worker.manifest import Entry, check, describe
-from worker.model import WEIGHTS_FILE
-from worker.optim import Optimizers
+from worker.model.model import WEIGHTS_FILE
+from worker.model.optim import Optimizers
 from worker.shards import SHARDS, SHARDS_METADATA, ShardedSave, has_shards
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class CheckpointState:
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """A verified checkpoint's small parts; the weights are loaded into a live model with
-    `worker.model.load_weights(model, path)`, or from its shards (worker.shards)."""
+    `worker.model.model.load_weights(model, path)`, or from its shards (worker.shards)."""
 
     path: Path
     state: CheckpointState

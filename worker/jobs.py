@@ -120,7 +120,7 @@ def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -
 
     from worker.data.store import store_root
     from worker.evaluate import evaluate_checkpoint
-    from worker.model import select_device
+    from worker.model.model import select_device
 
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)

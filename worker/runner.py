@@ -28,7 +28,7 @@ from worker.data.store import DIGESTS, artifact_root, store_root
 from worker.distributed import Ranks, launch_ranks, owned_devices
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.files import no_space, out_of_space
-from worker.model import select_device
+from worker.model.model import select_device
 from worker.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.settings import WorkerSettings
 from worker.trainer import PhaseOutcome, train_phase

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from worker import manifest
 from worker.error import CheckpointError
-from worker.optim import Optimizers
+from worker.model.optim import Optimizers
 
 SHARDS = "shards"
 SHARDS_METADATA = f"{SHARDS}/.metadata"

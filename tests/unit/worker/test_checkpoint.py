@@ -35,9 +35,9 @@ from worker.checkpoint import (
 )
 from worker.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 from worker.error import CheckpointError
-from worker.model import build_model, load_weights
-from worker.optim import Optimizers, build_optimizers
-from worker.rng import PrivateRandom
+from worker.model.model import build_model, load_weights
+from worker.model.optim import Optimizers, build_optimizers
+from worker.model.rng import PrivateRandom
 from worker.shards import SHARDS, ShardedSave
 
 

@@ -1,6 +1,6 @@
 """The worker's side of confined paths and checked checkpoints: it refuses a claim's or a job's
 file outside its data roots before reading it, and loads weights from safetensors only, naming
-the file and what is wrong (worker.runner.verify_inputs, worker.jobs, worker.model)."""
+the file and what is wrong (worker.runner.verify_inputs, worker.jobs, worker.model.model)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from contracts.reports import Claim
 from contracts.workflow import Workflow
 from worker.error import ConfigError
 from worker.jobs import job_outcome
-from worker.model import load_weights
+from worker.model.model import load_weights
 from worker.runner import verify_inputs
 from worker.settings import WorkerSettings
 

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from contracts.workflow import Workflow
 from worker.checkpoint import OPTIMIZER, CheckpointWriter
 from worker.error import DiskFull
-from worker.rng import PrivateRandom
+from worker.model.rng import PrivateRandom
 
 # What torch.save raised when the artifact store filled under it: its zip writer hides the errno.
 ZIP_WRITER_FAILURE = "[enforce fail at inline_container.cc:672] . unexpected pos 398976 vs 398864"

@@ -162,7 +162,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from contracts.workflow import OptimizerSpec
 from worker.checkpoint import CheckpointState, CheckpointWriter
 from worker.data.tokenizer import load_tokenizer
-from worker.optim import build_optimizers
+from worker.model.optim import build_optimizers
 
 config = dict(__CONFIG__)
 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from contracts.workflow import Workflow
 from worker.data.tokenizer import load_tokenizer
 from worker.error import ConfigError
-from worker.model import build_model, load_weights, select_device
+from worker.model.model import build_model, load_weights, select_device
 
 
 def workflow_with(

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from contracts.workflow import OptimizerSpec
 from worker.error import ConfigError, OptimizerCoverageError
-from worker.optim import build_optimizers, split_parameters
+from worker.model.optim import build_optimizers, split_parameters
 
 
 def tiny_model(**overrides: Any) -> PreTrainedModel:

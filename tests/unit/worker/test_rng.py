@@ -1,4 +1,4 @@
-"""The private random streams of `worker.rng`: what they redirect, what they refuse, and that
+"""The private random streams of `worker.model.rng`: what they redirect, what they refuse, and that
 torch's global generator is neither read nor advanced inside them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.error import ConfigError
-from worker.rng import PrivateRandom
+from worker.model.rng import PrivateRandom
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,7 @@ Here a thread draws from a global stream (torch's, numpy's, Python's) for the wh
 training phase, weight initialisation included; the phase's losses and final weights must be
 bit-identical to a quiet run's. The data path draws from private numpy generators
 (`worker.data.batch._epoch_rng`); initialisation and dropout from a private torch generator
-(`worker.rng.PrivateRandom`).
+(`worker.model.rng.PrivateRandom`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from worker.checkpoint import (
     verify_checkpoint,
 )
 from worker.error import CheckpointError, NonFiniteLoss, SignatureMismatch
-from worker.model import build_model
+from worker.model.model import build_model
 from worker.schedule import lr_multiplier
 from worker.trainer import PhaseOutcome, should_checkpoint, should_eval, train_phase
 

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from contracts.workflow import Workflow
 from worker.error import ConfigError
-from worker.rng import PrivateRandom
+from worker.model.rng import PrivateRandom
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
