@@ -27,7 +27,8 @@ from tokenizers import Tokenizer, models
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from contracts.workflow import OptimizerSpec
-from worker.checkpoint import CheckpointState, CheckpointWriter
+from worker.checkpoint.layout import CheckpointState
+from worker.checkpoint.writer import CheckpointWriter
 from worker.model.optim import build_optimizers
 from worker.model.rng import PrivateRandom
 

@@ -241,7 +241,7 @@ def stored_checkpoint(
 
 WEIGHTS_FILE: Final = "model.safetensors"
 WEIGHTS_INDEX_FILE: Final = "model.safetensors.index.json"
-# Where a sharded phase's checkpoints hold their tensors (worker.shards).
+# Where a sharded phase's checkpoints hold their tensors (worker.checkpoint.shards).
 SHARDS_DIR: Final = "shards"
 CONFIG_FILE: Final = "config.json"
 # A header this long describes ~100k tensors; a longer one is refused before it is read.

@@ -19,7 +19,7 @@ are summed over ranks, so the optimizers see what one device would have seen, to
 float-reduction order. Each step ends with rank 0's order (go, pause, preempt, stop) broadcast
 to all. A checkpoint of replicated state is rank 0's, written as one device writes it; of a
 sharded phase (FSDP2), every rank writes its own shards with torch.distributed.checkpoint into
-the step directory rank 0 completes (worker.shards). Either loads on any number of ranks.
+the step directory rank 0 completes (worker.checkpoint.shards). Either loads on any number of ranks.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class Ranks:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    # Choosing the checkpoint to resume from: rank 0 chooses (worker.checkpoint:
+    # Choosing the checkpoint to resume from: rank 0 chooses (worker.checkpoint.resume:
     # select_resume_checkpoint) and has every rank check its share of each candidate at once.
 
     def check_together(self, path: Path, check: Callable[[Path], str | None]) -> str | None:

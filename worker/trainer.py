@@ -26,19 +26,17 @@ from transformers.utils import logging as transformers_logging
 from contracts.reports import CheckpointRef, Claim, EvalResult
 from contracts.workflow import Phase, Workflow
 from worker import failpoint, metrics
-from worker.checkpoint import (
+from worker.checkpoint.layout import (
     CheckpointState,
-    CheckpointWriter,
-    LoadedCheckpoint,
     checkpoints_dir,
-    load_checkpoint,
-    publish_checkpoint,
     remove_stale_temporaries,
     select_expired,
-    select_resume_checkpoint,
     temporary_name,
     verify_checkpoint,
 )
+from worker.checkpoint.resume import LoadedCheckpoint, load_checkpoint, select_resume_checkpoint
+from worker.checkpoint.shards import ShardedSave, ShardWriter, read_shards, verifier_of
+from worker.checkpoint.writer import CheckpointWriter, publish_checkpoint
 from worker.data.batch import PhaseData, batch_for_step, load_phase_data
 from worker.data.store import Stores, artifact_root, store_root
 from worker.data.tokenizer import load_tokenizer
@@ -51,7 +49,6 @@ from worker.model.rng import PrivateRandom
 from worker.objective import StepLoss, backward_step
 from worker.reporter import Reporter
 from worker.schedule import lr_multiplier
-from worker.shards import ShardedSave, ShardWriter, read_shards, verifier_of
 
 log = logging.getLogger(__name__)
 
@@ -500,8 +497,8 @@ def _resume_point(
     quarantines what fails verification, each quarantine reported as it happens, before a
     failure to find any usable checkpoint propagates: the service must never hand it out
     again. Every rank verifies its share of each candidate at once (the shard files it reads,
-    worker.shards.verifier_of), so that none waits in a collective while another hashes a whole
-    checkpoint; the others load rank 0's choice without hashing it again."""
+    worker.checkpoint.shards.verifier_of), so that none waits in a collective while another hashes a
+    whole checkpoint; the others load rank 0's choice without hashing it again."""
 
     def share(name: str) -> bool:
         return verifier_of(name, ranks.world) == ranks.rank
@@ -567,7 +564,8 @@ class _NoCheckpoints:
 @dataclass(frozen=True)
 class SaveParts:
     """What a checkpoint needs from every rank: their random streams, and (sharded) each
-    rank's shards, being written (worker.shards); None: the live model's and optimizers'."""
+    rank's shards, being written (worker.checkpoint.shards); None: the live model's and
+    optimizers'."""
 
     rng: dict[str, torch.Tensor]
     sharded: ShardedSave | None = None

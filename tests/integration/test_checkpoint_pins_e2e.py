@@ -17,7 +17,7 @@ from test_resume_e2e import SERVICE_ENV, WORKER_ENV, resume_when_lease_lapses
 
 from service.db import make_engine, make_session_factory
 from service.models import Attempt, Checkpoint
-from worker.checkpoint import OPTIMIZER
+from worker.checkpoint.layout import OPTIMIZER
 
 pytestmark = pytest.mark.integration
 

@@ -165,8 +165,8 @@ def test_a_directory_must_be_save_pretrained_output(tmp_path: Path) -> None:
 def test_a_sharded_phases_checkpoint_inside_the_phase_points_to_the_final_one(
     tmp_path: Path,
 ) -> None:
-    """Inside a sharded phase a checkpoint holds the model in shards only (worker.shards):
-    never a starting point, and the error says which one is."""
+    """Inside a sharded phase a checkpoint holds the model in shards only
+    (worker.checkpoint.shards): never a starting point, and the error says which one is."""
     inside = tmp_path / "step-00000004"
     write(inside / "config.json", b"{}")
     write(inside / "shards" / ".metadata", b"dcp")

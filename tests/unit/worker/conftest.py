@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import Digests, sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
-from worker.checkpoint import verify_checkpoint
+from worker.checkpoint.layout import verify_checkpoint
 from worker.reporter import Action
 
 if TYPE_CHECKING:

@@ -14,23 +14,25 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from contracts.signature import sha256_file
 from contracts.workflow import OptimizerSpec, Workflow
-from worker.checkpoint import (
+from worker.checkpoint.layout import (
     MANIFEST,
     MODEL_WEIGHTS,
     OPTIMIZER,
     RNG,
     STATE,
     CheckpointState,
-    CheckpointWriter,
-    CpuBuffers,
-    find_latest_complete,
-    load_checkpoint,
-    publish_checkpoint,
-    save_checkpoint,
     select_expired,
-    snapshot,
     temporary_name,
     verify_checkpoint,
+)
+from worker.checkpoint.resume import find_latest_complete, load_checkpoint
+from worker.checkpoint.shards import SHARDS, ShardedSave
+from worker.checkpoint.writer import (
+    CheckpointWriter,
+    CpuBuffers,
+    publish_checkpoint,
+    save_checkpoint,
+    snapshot,
     write_temporary,
 )
 from worker.data.tokenizer import EOS_TOKEN, PAD_TOKEN
@@ -38,7 +40,6 @@ from worker.error import CheckpointError
 from worker.model.model import build_model, load_weights
 from worker.model.optim import Optimizers, build_optimizers
 from worker.model.rng import PrivateRandom
-from worker.shards import SHARDS, ShardedSave
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from test_checkpoint import save, state_at, trained
 from tokenizers import Tokenizer
 
 from contracts.workflow import Workflow
-from worker.checkpoint import OPTIMIZER, CheckpointWriter
+from worker.checkpoint.layout import OPTIMIZER
+from worker.checkpoint.writer import CheckpointWriter
 from worker.error import DiskFull
 from worker.model.rng import PrivateRandom
 

@@ -29,10 +29,10 @@ from transformers import AutoModelForCausalLM
 from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import sha256_file
 from contracts.workflow import Workflow
-from worker.checkpoint import MANIFEST, MODEL_WEIGHTS, RNG
+from worker.checkpoint.layout import MANIFEST, MODEL_WEIGHTS, RNG
+from worker.checkpoint.shards import SHARDS, SHARDS_METADATA
 from worker.distributed import Ranks, free_port, run_ranks
 from worker.reporter import SilentReporter
-from worker.shards import SHARDS, SHARDS_METADATA
 from worker.trainer import train_phase
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from worker import failpoint
-from worker.checkpoint import list_checkpoints, remove_stale_temporaries
+from worker.checkpoint.layout import list_checkpoints, remove_stale_temporaries
 from worker.settings import WorkerSettings
 
 _MODEL = {
@@ -160,7 +160,8 @@ import sys, torch
 from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM
 from contracts.workflow import OptimizerSpec
-from worker.checkpoint import CheckpointState, CheckpointWriter
+from worker.checkpoint.layout import CheckpointState
+from worker.checkpoint.writer import CheckpointWriter
 from worker.data.tokenizer import load_tokenizer
 from worker.model.optim import build_optimizers
 

@@ -20,7 +20,7 @@ from contracts.reports import CheckpointRef, Claim
 from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.digest import clear_digest_cache
-from worker.checkpoint import MANIFEST
+from worker.checkpoint.layout import MANIFEST
 from worker.client import ServiceClient, ServiceUnavailable
 from worker.runner import claim_request, run_attempt, verify_inputs
 from worker.settings import WorkerSettings

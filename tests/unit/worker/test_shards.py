@@ -1,8 +1,8 @@
-"""Which rank verifies which file of a sharded checkpoint (worker.shards.verifier_of)."""
+"""Which rank verifies which file of a sharded checkpoint (worker.checkpoint.shards.verifier_of)."""
 
 from __future__ import annotations
 
-from worker.shards import SHARDS, SHARDS_METADATA, verifier_of
+from worker.checkpoint.shards import SHARDS, SHARDS_METADATA, verifier_of
 
 
 def test_a_shard_file_is_verified_by_the_rank_that_wrote_it_every_other_by_rank_0() -> None:

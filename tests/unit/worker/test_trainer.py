@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from contracts.reports import CheckpointRef, Claim
 from contracts.workflow import Workflow
-from worker.checkpoint import (
+from worker.checkpoint.layout import (
     MANIFEST,
     MODEL_WEIGHTS,
     OPTIMIZER,

@@ -1,7 +1,8 @@
 """A checkpoint manifest's entries: each file's SHA-256 and size, by its path relative to the
 step directory. Made and checked by whichever process holds the file, so that no process
 reads what another wrote: rank 0 for most of a checkpoint, each rank for the shards it wrote
-(worker.shards) or reads. One process alone makes and checks them all (worker.checkpoint)."""
+(worker.checkpoint.shards) or reads. One process alone makes and checks them all
+(worker.checkpoint.writer, worker.checkpoint.layout)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Checkpoints: `<artifact_dir>/checkpoints/step-<NNNNNNNN>/`, one explicit set of named parts.
-
-A checkpoint counts only when complete: every part is written into a temporary directory and
-fsynced, the manifest (SHA-256 and size of every other file) is written last, and the directory
-is renamed into place. Loading verifies the manifest first; nothing is unpickled beyond plain
-tensors and values (`weights_only=True`, safetensors).
-
-Also here: which checkpoint an attempt starts from (`select_resume_checkpoint`: the claim's,
-or an older one when it fails verification and is quarantined) and which ones retention
-deletes (`select_expired`). The worker reports every quarantine and deletion to the service,
-whose registry follows the disk.
+"""Saving a checkpoint. A save has three parts: `snapshot` copies the live state into CPU
+buffers (the training loop waits for this part only), `write_temporary` writes files from the
+copy into a temporary directory (a background thread may do it while training goes on:
+`CheckpointWriter`), and `publish_checkpoint` renames it into place (the loop, once the service
+confirmed it still owns the attempt).
 """
 
 from __future__ import annotations
@@ -18,9 +12,6 @@ import json
 import logging
 import os
 import shutil
-import time
-import uuid
-from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,97 +22,28 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from contracts.reports import Claim
 from worker import failpoint
+from worker.checkpoint.layout import (
+    MANIFEST,
+    MODEL_WEIGHTS,
+    OPTIMIZER,
+    RNG,
+    STATE,
+    CheckpointState,
+    quarantine_checkpoint,
+    read_state,
+    step_dir_name,
+    temporary_name,
+    verify_checkpoint,
+)
+from worker.checkpoint.manifest import Entry, describe
+from worker.checkpoint.shards import SHARDS, ShardedSave
 from worker.data.tokenizer import EOS_TOKEN, PAD_TOKEN
-from worker.error import CheckpointError, DiskFull, SignatureMismatch
+from worker.error import CheckpointError, DiskFull
 from worker.files import free_bytes, fsync_dir, fsync_file, mib, out_of_space
-from worker.manifest import Entry, check, describe
-from worker.model.model import WEIGHTS_FILE
 from worker.model.optim import Optimizers
-from worker.shards import SHARDS, SHARDS_METADATA, ShardedSave, has_shards
 
 log = logging.getLogger(__name__)
-
-CHECKPOINTS_DIR = "checkpoints"
-# Parts. The model (config.json, WEIGHTS_FILE) and the tokenizer files are written by
-# transformers' `save_pretrained`, so a step directory loads with plain transformers.
-MODEL_CONFIG = "config.json"
-MODEL_WEIGHTS = WEIGHTS_FILE
-OPTIMIZER = "optimizer.pt"
-RNG = "rng.pt"
-STATE = "state.json"
-MANIFEST = "manifest.json"
-
-_STEP_PREFIX = "step-"
-_TMP_PREFIX = ".tmp-"
-
-
-@dataclass(frozen=True)
-class CheckpointState:
-    step: int  # global step: updates done over the whole run
-    phase_index: int
-    phase_name: str
-    phase_step: int
-    tokens_seen: int  # tokens processed over the whole run (the microbatch envelope)
-    signature: str
-    attempt_id: str
-    groups: dict[str, list[str]]  # optimizer -> parameter names, in group order
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """A verified checkpoint's small parts; the weights are loaded into a live model with
-    `worker.model.model.load_weights(model, path)`, or from its shards (worker.shards)."""
-
-    path: Path
-    state: CheckpointState
-    # `Optimizers.state_dict()`; of a sharded checkpoint, without the tensors in its shards.
-    optimizer: dict[str, Any]
-    rng: dict[str, torch.Tensor]  # `PrivateRandom.state_dict()`
-
-    @property
-    def sharded(self) -> bool:
-        """Written by a sharded phase: model and optimizer tensors in `shards/`."""
-        return has_shards(self.path)
-
-    @property
-    def whole_weights(self) -> bool:
-        """The model is in `model.safetensors` (always, but in a sharded phase's checkpoints
-        before its last step)."""
-        return (self.path / MODEL_WEIGHTS).is_file()
-
-
-def step_dir_name(step: int) -> str:
-    return f"{_STEP_PREFIX}{step:08d}"
-
-
-def checkpoints_dir(artifact_dir: str | Path) -> Path:
-    return Path(artifact_dir) / CHECKPOINTS_DIR
-
-
-def step_of(path: Path) -> int | None:
-    """The step of a `step-NNNNNNNN` directory; None for any other name."""
-    name = path.name
-    if not name.startswith(_STEP_PREFIX):
-        return None
-    digits = name.removeprefix(_STEP_PREFIX)
-    return int(digits) if digits.isdigit() else None
-
-
-def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step directory, newest first; complete or not."""
-    if not directory.is_dir():
-        return []
-    found = [(step, p) for p in directory.iterdir() if (step := step_of(p)) is not None]
-    return sorted(found, reverse=True)
-
-
-# --- save -----------------------------------------------------------------------------------
-# A save has three parts: `snapshot` copies the live state into CPU buffers (the training loop
-# waits for this part only), `write_temporary` writes files from the copy into a temporary
-# directory (a background thread may do it while training goes on), and `publish_checkpoint`
-# renames it into place (the trainer, once the service confirmed it still owns the attempt).
 
 
 @dataclass(frozen=True)
@@ -176,8 +98,8 @@ def snapshot(
 ) -> Snapshot:
     """Copy the model's weights, the optimizer state and the RNG into `buffers`. The snapshot
     shares the buffers: take the next one only after the previous snapshot is written.
-    `sharded`: this rank's sharded save in flight (worker.shards), whose optimizer state and
-    weights (gathered whole, or None: only in the shards) are taken instead of the live ones,
+    `sharded`: this rank's sharded save in flight (worker.checkpoint.shards), whose optimizer state
+    and weights (gathered whole, or None: only in the shards) are taken instead of the live ones,
     which hold this rank's shard only."""
     weights = None
     live = model.state_dict() if sharded is None else sharded.weights
@@ -199,12 +121,6 @@ def snapshot(
         rng=rng,
         sharded=sharded,
     )
-
-
-def temporary_name(step: int) -> str:
-    """A temporary step directory's name, unique per save: two processes may share a pid
-    (containers) and a directory (a zombie and the attempt that replaced it)."""
-    return f"{_TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def write_temporary(*, directory: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> Path:
@@ -464,226 +380,3 @@ class CheckpointWriter:
         `remove_stale_temporaries` of a later attempt) and stop the thread."""
         self._pending = None
         self._executor.shutdown(wait=True)
-
-
-# --- verify and load ------------------------------------------------------------------------
-
-
-def verify_checkpoint(
-    path: Path,
-    progress: Callable[[], None] | None = None,
-    *,
-    share: Callable[[str], bool] | None = None,
-) -> None:
-    """Raise CheckpointError unless every file the manifest lists is present and intact.
-    `progress` is called after each MiB hashed: a large checkpoint takes minutes. `share`:
-    only the files whose names it accepts are checked (one rank's share of the checkpoint; the
-    manifest itself is checked all the same)."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}")
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {err}") from err
-    # The model is whole in MODEL_WEIGHTS, or in the shards of a sharded phase, or both.
-    weights = MODEL_WEIGHTS if SHARDS_METADATA not in files else SHARDS_METADATA
-    for name in (MODEL_CONFIG, weights, OPTIMIZER, RNG, STATE):
-        if name not in files:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {name}")
-    check(path, {n: e for n, e in files.items() if share is None or share(n)}, progress)
-
-
-def find_latest_complete(directory: Path) -> Path | None:
-    """The newest checkpoint whose manifest verifies; a corrupt newer one is skipped."""
-    for _, path in list_checkpoints(directory):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as err:
-            log.warning("skipping checkpoint: %s", err)
-            continue
-        return path
-    return None
-
-
-def quarantine_checkpoint(path: Path) -> Path | None:
-    """Rename a checkpoint that failed verification to `step-NNNNNNNN.corrupt-<unix time>`:
-    out of every listing (never resumed from, never deleted by retention), kept for a human to
-    inspect. Returns the new path, or None when there is nothing at `path`."""
-    if not path.exists():
-        return None
-    target = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-    os.replace(path, target)
-    fsync_dir(path.parent)
-    return target
-
-
-def read_state(path: Path) -> CheckpointState:
-    return CheckpointState(**json.loads((path / STATE).read_text()))
-
-
-def load_checkpoint(
-    path: str | Path, progress: Callable[[], None] | None = None, *, verify: bool = True
-) -> LoadedCheckpoint:
-    """Verify (`progress`: as verify_checkpoint), then read the state, optimizer and RNG parts
-    of the checkpoint at `path`. `verify=False`: another process (rank 0) verified it."""
-    path = Path(path)
-    if verify:
-        verify_checkpoint(path, progress)
-    return LoadedCheckpoint(
-        path=path,
-        state=read_state(path),
-        optimizer=torch.load(path / OPTIMIZER, weights_only=True, map_location="cpu"),
-        rng=torch.load(path / RNG, weights_only=True, map_location="cpu"),
-    )
-
-
-# --- choosing where an attempt starts ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Quarantined:
-    """A checkpoint that failed verification and was renamed aside (`quarantine_checkpoint`),
-    for the service to hear of: it must never be handed out as `resume_from` again."""
-
-    step: int
-    path: Path  # where it was
-    reason: str
-
-
-def select_resume_checkpoint(
-    claim: Claim,
-    offsets: list[int],
-    *,
-    on_quarantine: Callable[[Quarantined], object],
-    verify: Callable[[Path], None] = verify_checkpoint,
-) -> LoadedCheckpoint | None:
-    """The claim's `resume_from`, verified (None: the phase's first step, from the initial
-    weights): this run's, and either inside this phase or the previous phase's final checkpoint
-    (`offsets`: each phase's first step - 1). One that fails verification (corrupt, truncated,
-    no manifest) is quarantined and the newest older usable checkpoint of the same directory is
-    used instead. A later phase without one cannot start. `on_quarantine` hears of each
-    checkpoint renamed aside as soon as it is, so that the service learns of it even when no
-    older one can stand in and this raises. `verify` raises CheckpointError for a checkpoint
-    that fails verification: here every file hashed by this process (`verify_checkpoint`), on
-    many ranks each rank's share by that rank."""
-    phase_index = claim.phase_index
-    if claim.resume_from is None:
-        if phase_index > 0:
-            raise CheckpointError(
-                f"phase {phase_index} starts from the final checkpoint of phase "
-                f"{phase_index - 1}, but the claim of attempt {claim.attempt_id} names none"
-            )
-        return None
-    path = Path(claim.resume_from.path)
-    try:
-        loaded = _verified(path, verify)
-    except CheckpointError as err:
-        return _fall_back(path, claim.resume_from.step, err, claim, offsets, on_quarantine, verify)
-    state = loaded.state
-    if state.signature != claim.signature:
-        raise SignatureMismatch(
-            f"checkpoint {loaded.path} was written by a run with signature {state.signature}, "
-            f"this run's signature is {claim.signature}"
-        )
-    if not starts_phase(state, phase_index, offsets):
-        offset = offsets[phase_index]
-        raise CheckpointError(
-            f"checkpoint {loaded.path} (phase {state.phase_index}, step {state.step}) cannot "
-            f"start phase {phase_index}, which covers steps {offset + 1}..; expected a "
-            f"checkpoint of this phase or the final one of phase {phase_index - 1} "
-            f"(step {offset})"
-        )
-    return loaded
-
-
-def _verified(path: Path, verify: Callable[[Path], None]) -> LoadedCheckpoint:
-    verify(path)
-    return load_checkpoint(path, verify=False)
-
-
-def starts_phase(state: CheckpointState, phase_index: int, offsets: list[int]) -> bool:
-    """A checkpoint inside phase `phase_index`, or the previous phase's final one."""
-    offset = offsets[phase_index]
-    inside = state.phase_index == phase_index and state.step > offset
-    previous_final = state.phase_index == phase_index - 1 and state.step == offset
-    return inside or previous_final
-
-
-def _set_aside(path: Path, step: int, err: CheckpointError) -> Quarantined:
-    moved = quarantine_checkpoint(path)
-    log.warning("checkpoint %s failed verification, quarantined as %s: %s", path, moved, err)
-    where = f"; kept as {moved.name} for inspection" if moved is not None else ""
-    return Quarantined(step=step, path=path, reason=f"failed verification: {err}{where}")
-
-
-def _fall_back(
-    path: Path,
-    step: int,
-    err: CheckpointError,
-    claim: Claim,
-    offsets: list[int],
-    on_quarantine: Callable[[Quarantined], object],
-    verify: Callable[[Path], None],
-) -> LoadedCheckpoint:
-    """Quarantine the failed checkpoint `path` (of `step`) and load the newest older one in
-    its directory that verifies, is this run's and can start this phase."""
-    on_quarantine(_set_aside(path, step, err))
-    for older_step, candidate in list_checkpoints(path.parent):
-        if older_step >= step:
-            continue
-        try:
-            loaded = _verified(candidate, verify)
-        except CheckpointError as older_err:
-            on_quarantine(_set_aside(candidate, older_step, older_err))
-            continue
-        state = loaded.state
-        if state.signature == claim.signature and starts_phase(state, claim.phase_index, offsets):
-            log.warning(
-                "resuming from the older checkpoint %s (step %d) instead of %s (step %d), "
-                "which failed verification",
-                candidate,
-                older_step,
-                path,
-                step,
-            )
-            return loaded
-    usable = "one inside it" + (
-        f", or the final one of phase {claim.phase_index - 1}" if claim.phase_index else ""
-    )
-    raise CheckpointError(
-        f"checkpoint {path} (step {step}) failed verification ({err}) and was quarantined; "
-        f"no older complete checkpoint of this run in {path.parent} can start phase "
-        f"{claim.phase_index} ({usable}); resume the run from an earlier phase or start a new run"
-    )
-
-
-# --- retention ------------------------------------------------------------------------------
-
-
-def select_expired(
-    directory: Path,
-    *,
-    keep_last: int,
-    keep_steps: Iterable[int] = (),
-    newest: int | None = None,
-) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint retention deletes, newest first: all but the
-    `keep_last` newest and those at `keep_steps` (each phase's final one, which the next phase
-    starts from; the run's pinned steps, which other runs start from). With `newest` (the step
-    just registered), only checkpoints up to it are ranked or deleted: newer ones are leftovers
-    of an attempt that died before registering them, which this attempt will overwrite, and
-    must not push the ones the service holds out of `keep_last`. Deletes nothing: the caller
-    deletes each once the service recorded its deletion."""
-    kept = set(keep_steps)
-    ranked = [(s, p) for s, p in list_checkpoints(directory) if newest is None or s <= newest]
-    return [(s, p) for rank, (s, p) in enumerate(ranked) if rank >= keep_last and s not in kept]
-
-
-def remove_stale_temporaries(directory: Path) -> None:
-    """Remove temporary directories left by writers that died mid-checkpoint (SIGKILL)."""
-    if not directory.is_dir():
-        return
-    for path in directory.iterdir():
-        if path.name.startswith(_TMP_PREFIX) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)

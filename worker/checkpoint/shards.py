@@ -10,7 +10,7 @@ coordinated over a gloo group of the checkpoint's own, so that its collectives n
 with training's. Rank 0 writes the rest of the step directory as one device does (config,
 tokenizer, the optimizers' hyperparameters and unsharded state in `optimizer.pt`, every rank's
 RNG, `state.json`), waits for the shards, and only then writes the manifest: a step directory
-is complete only when every rank's part is (worker.checkpoint). Each rank hashes the shard
+is complete only when every rank's part is (worker.checkpoint.writer). Each rank hashes the shard
 files it wrote, once its save is on disk, and rank 0 gathers their digests for the manifest:
 it never reads another rank's shards, which at hundreds of GB would outlast the collective
 timeout of the ranks waiting for it. On resume, each rank verifies the shard files it reads
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from worker import manifest
+from worker.checkpoint import manifest
 from worker.error import CheckpointError
 from worker.model.optim import Optimizers
 
@@ -58,11 +58,11 @@ _RANK_FILE = re.compile(rf"{SHARDS}/__(\d+)_\d+\.distcp")
 @dataclass(frozen=True)
 class ShardedSave:
     """One rank's part of a sharded checkpoint in flight, as rank 0's checkpoint writer needs
-    it (worker.checkpoint)."""
+    it (worker.checkpoint.writer)."""
 
     directory: Path  # the temporary step directory every rank writes its shards into
     # Done once every rank's shards are on disk, each rank's hashed by that rank: on rank 0 the
-    # manifest entries of every shard file (worker.manifest), on the others their own.
+    # manifest entries of every shard file (worker.checkpoint.manifest), on the others their own.
     written: Future[dict[str, manifest.Entry]]
     optimizer: dict[str, Any]  # Optimizers.state_dict() less its DTensors (in the shards)
     weights: dict[str, torch.Tensor] | None  # the model gathered whole (the phase's last step)
