@@ -493,7 +493,8 @@ class RestartSample:
 
 
 def spooled_reports(spool: Path) -> int:
-    """How many reports an attempt's spool directory holds (`worker/spool.py`: one file each)."""
+    """How many reports an attempt's spool directory holds (`worker/link/spool.py`: one file
+    each)."""
     return len(list(spool.glob("*.json"))) if spool.is_dir() else 0
 
 

@@ -56,9 +56,9 @@ from contracts.signature import Digests
 from contracts.workflow import OBJECTIVES, Workflow
 from worker.data.batch import batch_for_step, load_phase_data
 from worker.data.tokenizer import load_tokenizer
+from worker.link.reporter import Action
 from worker.model.model import configure_determinism
 from worker.model.optim import build_optimizers
-from worker.reporter import Action
 from worker.trainer import train_phase
 
 

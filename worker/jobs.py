@@ -18,8 +18,8 @@ from pydantic import BaseModel, ValidationError
 from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome, PrepareRequest
 from contracts.paths import DataRoots, PathUse
 from worker import metrics
-from worker.client import ServiceClient
 from worker.error import ConfigError, TrainingError, origin
+from worker.link.client import ServiceClient
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

@@ -23,13 +23,13 @@ from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.digest import digest_path
 from runtime.logs import log_context
 from worker import metrics
-from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.data.store import DIGESTS, artifact_root, store_root
 from worker.distributed import Ranks, launch_ranks, owned_devices
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.files import no_space, out_of_space
+from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.link.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.model.model import select_device
-from worker.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.settings import WorkerSettings
 from worker.trainer import PhaseOutcome, train_phase
 

@@ -17,9 +17,9 @@ from contracts.dispatch import (
 )
 from contracts.jobs import JobKind
 from worker.celery_app import app
-from worker.client import ServiceClient, ServiceUnavailable
 from worker.jobs import run_job
-from worker.reporter import drain_spools
+from worker.link.client import ServiceClient, ServiceUnavailable
+from worker.link.reporter import drain_spools
 from worker.runner import run_attempt
 
 # Set by a warm shutdown (SIGTERM: the preemption notice of a spot instance). The running

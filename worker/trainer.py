@@ -43,11 +43,11 @@ from worker.data.tokenizer import load_tokenizer
 from worker.distributed import Order, Ranks, shard_like
 from worker.error import CheckpointError, ConfigError, NonFiniteLoss, TrainingError
 from worker.evaluate import EvalData, evaluate_task, load_eval_data
+from worker.link.reporter import Reporter
 from worker.model.model import build_model, configure_determinism, load_weights
 from worker.model.optim import Optimizers, build_optimizers
 from worker.model.rng import PrivateRandom
 from worker.objective import StepLoss, backward_step
-from worker.reporter import Reporter
 from worker.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)

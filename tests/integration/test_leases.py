@@ -22,7 +22,7 @@ from service.db import make_session_factory, normalize_url
 from service.lease import lease_end
 from service.models import Attempt, Checkpoint, ReaperState, Run, utcnow
 from service.reaper import Reaper, reap_expired
-from worker.client import ServiceClient, ServiceUnavailable
+from worker.link.client import ServiceClient, ServiceUnavailable
 from worker.runner import claim_request
 
 if TYPE_CHECKING:

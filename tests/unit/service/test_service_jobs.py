@@ -24,8 +24,8 @@ from service.auth import create_token
 from service.db import make_session_factory, upgrade_database
 from service.models import Job, OutboxMessage
 from service.settings import ServiceSettings
-from worker.client import ServiceClient
 from worker.error import DataError
+from worker.link.client import ServiceClient
 from worker.settings import WorkerSettings
 
 TOKENIZER = Path(__file__).resolve().parents[3] / "examples" / "tokenizer" / "tokenizer.json"

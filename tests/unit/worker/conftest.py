@@ -17,7 +17,7 @@ from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import Digests, sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
 from worker.checkpoint.layout import verify_checkpoint
-from worker.reporter import Action
+from worker.link.reporter import Action
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

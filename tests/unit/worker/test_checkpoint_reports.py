@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from contracts.reports import CheckpointRef, CheckpointRemoval, Claim, Finish
-from worker.client import ServiceClient
-from worker.reporter import ServiceReporter, drain_spools
-from worker.spool import Spool
+from worker.link.client import ServiceClient
+from worker.link.reporter import ServiceReporter, drain_spools
+from worker.link.spool import Spool
 
 
 class Service:
@@ -112,7 +112,7 @@ def test_a_refused_removal_is_logged_and_training_goes_on(
     service = Service()
     service.refused = {4}
     reporter = reporter_for(service, claim, tmp_path)
-    with caplog.at_level(logging.ERROR, logger="worker.reporter"):
+    with caplog.at_level(logging.ERROR, logger="worker.link.reporter"):
         reporter.checkpoint_removed(4, "deleted", "retention")
     assert "refused the deleted report of step 4" in caplog.text
     assert "checkpoint_pinned" in caplog.text

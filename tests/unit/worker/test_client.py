@@ -14,7 +14,7 @@ from contracts.reports import (
     Heartbeat,
     MetricPoint,
 )
-from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 
 
 def client_answering(

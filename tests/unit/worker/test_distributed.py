@@ -32,7 +32,7 @@ from contracts.workflow import Workflow
 from worker.checkpoint.layout import MANIFEST, MODEL_WEIGHTS, RNG
 from worker.checkpoint.shards import SHARDS, SHARDS_METADATA
 from worker.distributed import Ranks, free_port, run_ranks
-from worker.reporter import SilentReporter
+from worker.link.reporter import SilentReporter
 from worker.trainer import train_phase
 
 CPU = torch.device("cpu")

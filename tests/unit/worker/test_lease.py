@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from contracts.reports import Claim
-from worker.client import ServiceClient
-from worker.lease import LeaseKeeper
-from worker.reporter import ServiceReporter
+from worker.link.client import ServiceClient
+from worker.link.lease import LeaseKeeper
+from worker.link.reporter import ServiceReporter
 
 
 class Service:

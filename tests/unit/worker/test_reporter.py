@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from contracts.reports import CheckpointRef, Claim, Finish
-from worker.client import ServiceClient, ServiceUnavailable, Superseded
-from worker.reporter import ServiceReporter, drain_spools
-from worker.spool import Spool
+from worker.link.client import ServiceClient, ServiceUnavailable, Superseded
+from worker.link.reporter import ServiceReporter, drain_spools
+from worker.link.spool import Spool
 
 
 class Clock:

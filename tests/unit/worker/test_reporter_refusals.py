@@ -14,8 +14,8 @@ from test_runner import InProcessService, attempt, conflict
 
 from contracts.reports import CheckpointRef, Claim
 from contracts.workflow import Workflow
-from worker.client import ServiceClient
-from worker.reporter import ServiceReporter
+from worker.link.client import ServiceClient
+from worker.link.reporter import ServiceReporter
 from worker.settings import WorkerSettings
 
 

@@ -21,7 +21,7 @@ from contracts.signature import sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.digest import clear_digest_cache
 from worker.checkpoint.layout import MANIFEST
-from worker.client import ServiceClient, ServiceUnavailable
+from worker.link.client import ServiceClient, ServiceUnavailable
 from worker.runner import claim_request, run_attempt, verify_inputs
 from worker.settings import WorkerSettings
 

@@ -13,7 +13,7 @@ import pytest
 
 from contracts.reports import Heartbeat
 from worker.celery_app import ping_service
-from worker.client import ServiceClient
+from worker.link.client import ServiceClient
 from worker.settings import WorkerSettings
 
 TOKEN = "wkr-7Qx2fz9LmTbc4R1s"

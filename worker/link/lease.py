@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from contracts.reports import Heartbeat, Preparing
-from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 
 log = logging.getLogger(__name__)
 

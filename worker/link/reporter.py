@@ -1,7 +1,7 @@
 """What the training loop tells the outside world, and how it learns it must pause or stop.
 
 The loop calls a `Reporter`; `ServiceReporter` posts to the service, tests use a recorder.
-The lease is not the loop's business: a `worker.lease.LeaseKeeper` thread renews it from claim
+The lease is not the loop's business: a `worker.link.lease.LeaseKeeper` thread renews it from claim
 to finish, however long a step, a checkpoint wait or a preparation takes. What the loop owes
 the lease is progress: every report moves the keeper's counter, and work that reports nothing
 for long (preparing a phase, evaluating) calls `progress()` as it goes.
@@ -33,9 +33,9 @@ from contracts.reports import (
     metric_batches,
 )
 from worker import metrics
-from worker.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
-from worker.lease import Action, LeaseKeeper
-from worker.spool import Report, Spool, SpoolError, kind_of
+from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.link.lease import Action, LeaseKeeper
+from worker.link.spool import Report, Spool, SpoolError, kind_of
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +105,13 @@ class ServiceReporter:
     `heartbeat_seconds`), and owns the attempt's `LeaseKeeper` (`start`, and `close` stops it).
 
     Training outlives a service outage: a report the service cannot take (unreachable, or 5xx
-    through the client's retries) goes to the attempt's spool on disk (`worker.spool`), and so
+    through the client's retries) goes to the attempt's spool on disk (`worker.link.spool`), and so
     does every later one until the spool is sent, oldest first, at the next `check` that finds
     the service back. A failed heartbeat is only logged (if the lease lapses meanwhile, the
     service supersedes this attempt and says so on the next request that gets through).
 
     A "stop" answer or a 409 `superseded` on any report ends all reporting: the spool is
-    dropped and every later call is a no-op; a 409 also raises `worker.client.Superseded`,
+    dropped and every later call is a no-op; a 409 also raises `worker.link.client.Superseded`,
     which the runner turns into a silent stop. `finish` sends the rest and the finish, waiting
     up to `flush_seconds` for an unreachable service."""
 
