@@ -2,7 +2,7 @@
 
 Both train the same demo-sized llama (vocab 1024, hidden 64, intermediate 256, 2 layers, 4 heads)
 on microbatches of 8 x 64 tokens with the same optimizers (Muon for the hidden matrices, AdamW
-for the rest) and gradient clipping. trainctl runs `worker.trainer.train_phase` as the worker
+for the rest) and gradient clipping. trainctl runs `worker.train.loop.train_phase` as the worker
 does (batches drawn from tokenized data, the learning-rate schedule, metrics, stop checks); the
 bare loop reuses one batch of random ids already on the device, plain causal attention
 (`attention_mask=None`), and reads the loss once per step. Rounds alternate between the two so
@@ -59,7 +59,7 @@ from worker.data.tokenizer import load_tokenizer
 from worker.link.reporter import Action
 from worker.model.model import configure_determinism
 from worker.model.optim import build_optimizers
-from worker.trainer import train_phase
+from worker.train.loop import train_phase
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ def bare_tokens_per_s(workflow: Workflow, steps: int, setup: Setup, device: torc
     cuda = device.type == "cuda"
 
     def step() -> None:
-        # As worker.objective: the forward under bf16 autocast on CUDA, the loss in float32.
+        # As worker.train.objective: the forward under bf16 autocast on CUDA, the loss in float32.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             logits = model(input_ids=inputs, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())

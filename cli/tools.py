@@ -315,7 +315,7 @@ def eval_checkpoint(
                 )
             results.append(EvalResult.model_validate(job["result"]))
     else:
-        from worker.evaluate import evaluate_checkpoint_sets
+        from worker.train.evaluate import evaluate_checkpoint_sets
 
         results = local(lambda: evaluate_checkpoint_sets(requests, store_root=_local_store_root()))
     if workflow is not None:

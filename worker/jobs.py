@@ -119,8 +119,8 @@ def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -
     import torch
 
     from worker.data.store import store_root
-    from worker.evaluate import evaluate_checkpoint
     from worker.model.model import select_device
+    from worker.train.evaluate import evaluate_checkpoint
 
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)

@@ -24,14 +24,15 @@ from runtime.digest import digest_path
 from runtime.logs import log_context
 from worker import metrics
 from worker.data.store import DIGESTS, artifact_root, store_root
-from worker.distributed import Ranks, launch_ranks, owned_devices
+from worker.distributed import launch_ranks, owned_devices
 from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
 from worker.files import no_space, out_of_space
 from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.link.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.model.model import select_device
 from worker.settings import WorkerSettings
-from worker.trainer import PhaseOutcome, train_phase
+from worker.train.loop import PhaseOutcome, train_phase
+from worker.train.ranks import Ranks
 
 log = logging.getLogger(__name__)
 

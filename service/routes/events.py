@@ -66,7 +66,7 @@ HEARTBEAT_SECONDS = 15.0
 # Rows per `metrics` or `evals` event: a client that starts from step 0 gets the history in
 # batches, one right after the other, instead of one event of every point the run has.
 MAX_ROWS_PER_EVENT = 5000
-# What workers report every step (worker/trainer.py); `names` asks for others.
+# What workers report every step (worker/train/loop.py); `names` asks for others.
 DEFAULT_METRICS = ("loss", "lr", "lr_muon", "grad_norm", "tokens_per_s")
 # Fields of a run that change with every heartbeat; a change of these alone is not an event.
 _HEARTBEAT_FIELDS = ("updated_at", "recovery_seconds")

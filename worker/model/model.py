@@ -34,7 +34,7 @@ def select_device(preference: str) -> torch.device:
 
 def configure_determinism(device: torch.device) -> None:
     """On CPU, training is float32 and bit-reproducible (a resumed run equals an uninterrupted
-    one); on CUDA it runs under bf16 autocast (see `worker.objective`) and is not."""
+    one); on CUDA it runs under bf16 autocast (see `worker.train.objective`) and is not."""
     torch.use_deterministic_algorithms(device.type == "cpu")
 
 

@@ -577,7 +577,8 @@ def test_an_evaluation_with_a_non_finite_loss_fails_instead_of_looping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """NaN cannot travel in JSON; unstored, the job would be sent again every timeout."""
-    from worker import evaluate, jobs
+    from worker import jobs
+    from worker.train import evaluate
 
     nan = float("nan")
 

@@ -33,7 +33,7 @@ from worker.data.records import parse_record, read_records
 from worker.data.store import ENCODE_BATCH
 from worker.data.tokenizer import EOS_TOKEN, special_token_ids
 from worker.error import DataError
-from worker.objective import objective_loss
+from worker.train.objective import objective_loss
 
 ENVELOPE = 128  # sequence_length x microbatch_size of every source below
 

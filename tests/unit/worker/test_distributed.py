@@ -31,9 +31,10 @@ from contracts.signature import sha256_file
 from contracts.workflow import Workflow
 from worker.checkpoint.layout import MANIFEST, MODEL_WEIGHTS, RNG
 from worker.checkpoint.shards import SHARDS, SHARDS_METADATA
-from worker.distributed import Ranks, free_port, run_ranks
+from worker.distributed import free_port, run_ranks
 from worker.link.reporter import SilentReporter
-from worker.trainer import train_phase
+from worker.train.loop import train_phase
+from worker.train.ranks import Ranks
 
 CPU = torch.device("cpu")
 STEPS = 6

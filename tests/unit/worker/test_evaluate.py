@@ -22,8 +22,8 @@ from worker.data.encode import Encoded, encode_records
 from worker.data.records import parse_record, read_records
 from worker.data.tokenizer import special_token_ids
 from worker.error import ConfigError, DataError
-from worker.evaluate import evaluate_checkpoint, evaluate_task, load_eval_data
-from worker.objective import backward_step, objective_loss
+from worker.train.evaluate import evaluate_checkpoint, evaluate_task, load_eval_data
+from worker.train.objective import backward_step, objective_loss
 
 SEQ = 32
 

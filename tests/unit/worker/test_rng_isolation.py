@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from contracts.reports import Claim
 from contracts.workflow import Workflow
 from worker.checkpoint.layout import MODEL_WEIGHTS
-from worker.trainer import train_phase
+from worker.train.loop import train_phase
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from contracts.workflow import Schedule
-from worker.schedule import lr_multiplier
+from worker.train.schedule import lr_multiplier
 
 
 def test_warmup_rises_linearly_to_one() -> None:

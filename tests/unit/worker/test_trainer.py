@@ -26,8 +26,8 @@ from worker.checkpoint.layout import (
 )
 from worker.error import CheckpointError, NonFiniteLoss, SignatureMismatch
 from worker.model.model import build_model
-from worker.schedule import lr_multiplier
-from worker.trainer import PhaseOutcome, should_checkpoint, should_eval, train_phase
+from worker.train.loop import PhaseOutcome, should_checkpoint, should_eval, train_phase
+from worker.train.schedule import lr_multiplier
 
 CPU = torch.device("cpu")
 

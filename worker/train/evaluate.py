@@ -2,7 +2,7 @@
 
 Records go through the one encoder (worker.data.encode, read from the token store that training
 reads) and the loss through the one objective
-(worker.objective), so an eval number is the training loss without gradients. A supervised
+(worker.train.objective), so an eval number is the training loss without gradients. A supervised
 record that does not fit is skipped and counted in `oversized_records`; one without target
 tokens is an error, never a silent zero.
 """
@@ -26,7 +26,7 @@ from worker.data.encode import ZERO_TARGET
 from worker.data.store import KINDS, Stores
 from worker.data.tokenizer import load_tokenizer, special_token_ids
 from worker.error import ConfigError, DataError
-from worker.objective import objective_loss
+from worker.train.objective import objective_loss
 
 
 @dataclass(frozen=True)

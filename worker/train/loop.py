@@ -40,15 +40,15 @@ from worker.checkpoint.writer import CheckpointWriter, publish_checkpoint
 from worker.data.batch import PhaseData, batch_for_step, load_phase_data
 from worker.data.store import Stores, artifact_root, store_root
 from worker.data.tokenizer import load_tokenizer
-from worker.distributed import Order, Ranks, shard_like
 from worker.error import CheckpointError, ConfigError, NonFiniteLoss, TrainingError
-from worker.evaluate import EvalData, evaluate_task, load_eval_data
 from worker.link.reporter import Reporter
 from worker.model.model import build_model, configure_determinism, load_weights
 from worker.model.optim import Optimizers, build_optimizers
 from worker.model.rng import PrivateRandom
-from worker.objective import StepLoss, backward_step
-from worker.schedule import lr_multiplier
+from worker.train.evaluate import EvalData, evaluate_task, load_eval_data
+from worker.train.objective import StepLoss, backward_step
+from worker.train.ranks import Order, Ranks, shard_like
+from worker.train.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def train_phase(
     written: a save in flight is never put in place. `restore_rng=False` (tests only: the
     negative control of exact resume) leaves the random streams unrestored on resume.
 
-    On more than one rank (`ranks`, worker.distributed) every rank runs this loop over its share
+    On more than one rank (`ranks`, worker.train.ranks) every rank runs this loop over its share
     of each step's microbatches; rank 0 alone evaluates, checkpoints and hears the service, and
     each step ends with its order. The outcome of another rank means nothing."""
     transformers_logging.disable_progress_bar()  # the worker logs; bars are for terminals
