@@ -105,7 +105,7 @@ def serve(
 def worker() -> None:
     """Run one worker process (one training slot) on TRAINCTL_BROKER_URL, reporting to
     TRAINCTL_API_URL."""
-    from worker.celery_app import start_worker
+    from worker.process.celery_app import start_worker
     from worker.settings import get_settings as worker_settings
 
     start_worker(worker_settings())

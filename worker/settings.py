@@ -36,7 +36,7 @@ class WorkerSettings(BaseSettings):
     data_roots: Annotated[tuple[Path, ...], NoDecode] = ()
     data_root: Path | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # The devices this worker owns, for phases of more than one rank (worker.distributed): a
+    # The devices this worker owns, for phases of more than one rank (worker.process.launch): a
     # count ("2": on CPU, two gloo ranks) or CUDA indices ("0,1"; "3," for device 3 alone).
     # Empty: every visible GPU, or one CPU rank. It consumes the queues of 1 to that many.
     devices: str = Field(default="", pattern=r"^\s*(\d+|(\d+\s*,\s*)+\d*)?\s*$")

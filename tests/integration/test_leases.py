@@ -23,7 +23,7 @@ from service.lease import lease_end
 from service.models import Attempt, Checkpoint, ReaperState, Run, utcnow
 from service.reaper import Reaper, reap_expired
 from worker.link.client import ServiceClient, ServiceUnavailable
-from worker.runner import claim_request
+from worker.process.claim import claim_request
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory

@@ -76,7 +76,7 @@ class Reporter(Protocol):
 
 class SilentReporter:
     """The reporter of a rank other than 0 on a phase of many devices: rank 0 speaks for all
-    (worker.distributed), so everything here is dropped and no order ever comes."""
+    (worker.train.ranks), so everything here is dropped and no order ever comes."""
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         pass

@@ -1,6 +1,7 @@
 """Jobs over the API on SQLite: submit (202, Location, paths resolved, files checked), read
 back by kind, and the worker side (start, result: the first outcome is kept). The worker's
-adapter (worker.jobs.run_job) is driven against the same app, its work functions replaced."""
+adapter (worker.process.jobs.run_job) is driven against the same app, its work functions
+replaced."""
 
 from __future__ import annotations
 
@@ -412,7 +413,7 @@ def test_worker_runs_a_job_and_posts_its_report(
     api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from worker.data import inspect
-    from worker.jobs import run_job
+    from worker.process.jobs import run_job
 
     def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
         return InspectionReport.model_validate(report(path=request.path, records=5))
@@ -435,7 +436,7 @@ def test_worker_runs_a_job_and_posts_its_report(
 
 
 def test_worker_prepares_a_store_once_and_posts_where_it_is(api: Api, tmp_path: Path) -> None:
-    from worker.jobs import run_job
+    from worker.process.jobs import run_job
 
     settings = WorkerSettings(
         home=tmp_path / "worker", artifact_root=tmp_path / "artifacts", data_roots=(tmp_path,)
@@ -469,7 +470,7 @@ def test_worker_reports_a_bad_file_as_a_failed_job_with_its_message(
     api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from worker.data import inspect
-    from worker.jobs import run_job
+    from worker.process.jobs import run_job
 
     def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
         raise DataError(f"{request.path} line 3: not JSON (Expecting value)")
@@ -489,7 +490,7 @@ def test_worker_reports_an_unexpected_error_with_its_type_and_place(
     api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from worker.data import inspect
-    from worker.jobs import run_job
+    from worker.process.jobs import run_job
 
     def inspect_file(request: InspectRequest, *, stores: Any) -> InspectionReport:
         raise KeyError("lengths")
@@ -577,7 +578,7 @@ def test_an_evaluation_with_a_non_finite_loss_fails_instead_of_looping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """NaN cannot travel in JSON; unstored, the job would be sent again every timeout."""
-    from worker import jobs
+    from worker.process import jobs
     from worker.train import evaluate
 
     nan = float("nan")

@@ -16,13 +16,13 @@ from worker.settings import WorkerSettings, get_settings
 
 @pytest.fixture
 def tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """worker.tasks imported with settings from a private TRAINCTL_HOME."""
+    """worker.process.tasks imported with settings from a private TRAINCTL_HOME."""
     monkeypatch.setenv("TRAINCTL_HOME", str(tmp_path))
     monkeypatch.setenv("TRAINCTL_QUEUE", "gpu-a100")
     get_settings.cache_clear()
-    for name in ("worker.tasks", "worker.celery_app"):
+    for name in ("worker.process.tasks", "worker.process.celery_app"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    yield importlib.import_module("worker.tasks")
+    yield importlib.import_module("worker.process.tasks")
     get_settings.cache_clear()
 
 
@@ -59,7 +59,7 @@ def test_the_task_runs_the_attempt_with_the_app_settings(
 def test_start_worker_runs_one_solo_process_on_the_queue(
     tasks: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    celery_app = sys.modules["worker.celery_app"]
+    celery_app = sys.modules["worker.process.celery_app"]
     argv: list[list[str]] = []
     monkeypatch.setattr(celery_app.app, "worker_main", argv.append)
     settings = WorkerSettings(home=tmp_path, queue="cpu", broker_url="redis://broker:6379/0")

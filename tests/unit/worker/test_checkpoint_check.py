@@ -1,6 +1,7 @@
 """The worker's side of confined paths and checked checkpoints: it refuses a claim's or a job's
 file outside its data roots before reading it, and loads weights from safetensors only, naming
-the file and what is wrong (worker.runner.verify_inputs, worker.jobs, worker.model.model)."""
+the file and what is wrong (worker.process.claim.verify_inputs, worker.process.jobs,
+worker.model.model)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from contracts.paths import DataRoots
 from contracts.reports import Claim
 from contracts.workflow import Workflow
 from worker.error import ConfigError
-from worker.jobs import job_outcome
 from worker.model.model import load_weights
-from worker.runner import verify_inputs
+from worker.process.claim import verify_inputs
+from worker.process.jobs import job_outcome
 from worker.settings import WorkerSettings
 
 

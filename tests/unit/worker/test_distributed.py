@@ -1,6 +1,7 @@
-"""A phase on two gloo ranks (worker.distributed) against the same phase on one process: the
-math does not depend on the device count (to float-reduction order), a checkpoint of two ranks
-resumes on one, and on the same count a resume is bit-identical to the uninterrupted run.
+"""A phase on two gloo ranks (worker.train.ranks, worker.process.launch) against the same phase on
+one process: the math does not depend on the device count (to float-reduction order), a checkpoint
+of two ranks resumes on one, and on the same count a resume is bit-identical to the uninterrupted
+run.
 
 The ranks are real processes (spawned, as the worker starts them) joined by gloo on this
 machine; each runs `train_phase` with its `Ranks`, rank 0 with a reporter that writes what it
@@ -31,8 +32,8 @@ from contracts.signature import sha256_file
 from contracts.workflow import Workflow
 from worker.checkpoint.layout import MANIFEST, MODEL_WEIGHTS, RNG
 from worker.checkpoint.shards import SHARDS, SHARDS_METADATA
-from worker.distributed import free_port, run_ranks
 from worker.link.reporter import SilentReporter
+from worker.process.launch import free_port, run_ranks
 from worker.train.loop import train_phase
 from worker.train.ranks import Ranks
 
@@ -392,7 +393,7 @@ def test_each_rank_hashes_the_shards_it_wrote_and_a_corrupt_one_is_found_on_resu
 
 
 def fail_first_on_rank_1(device: torch.device, workdir: Path) -> None:
-    """A rank's work (worker.distributed.run_ranks): rank 1 runs out of memory and is slow to
+    """A rank's work (worker.process.launch.run_ranks): rank 1 runs out of memory and is slow to
     go (a process freeing a device's memory); rank 0, waiting for it in a collective, fails
     after it but is gone first."""
     if dist.get_rank() == 0:

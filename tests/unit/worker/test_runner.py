@@ -22,7 +22,8 @@ from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.digest import clear_digest_cache
 from worker.checkpoint.layout import MANIFEST
 from worker.link.client import ServiceClient, ServiceUnavailable
-from worker.runner import claim_request, run_attempt, verify_inputs
+from worker.process.claim import claim_request, verify_inputs
+from worker.process.runner import run_attempt
 from worker.settings import WorkerSettings
 
 
@@ -457,7 +458,7 @@ _CONTAINER_CLAIM = """
 import os, socket
 os.getpid = lambda: 1
 socket.gethostname = lambda: "trainer"
-from worker.runner import claim_request
+from worker.process.claim import claim_request
 print(claim_request("task-1").model_dump_json())
 """
 

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from contracts.reports import Heartbeat
-from worker.celery_app import ping_service
 from worker.link.client import ServiceClient
+from worker.process.celery_app import ping_service
 from worker.settings import WorkerSettings
 
 TOKEN = "wkr-7Qx2fz9LmTbc4R1s"

@@ -16,11 +16,11 @@ from contracts.dispatch import (
     RUN_PHASE_TASK,
 )
 from contracts.jobs import JobKind
-from worker.celery_app import app
-from worker.jobs import run_job
 from worker.link.client import ServiceClient, ServiceUnavailable
 from worker.link.reporter import drain_spools
-from worker.runner import run_attempt
+from worker.process.celery_app import app
+from worker.process.jobs import run_job
+from worker.process.runner import run_attempt
 
 # Set by a warm shutdown (SIGTERM: the preemption notice of a spot instance). The running
 # phase then checkpoints at once and finishes as "preempted"; Celery exits after the task.

@@ -20,7 +20,7 @@ from contracts.dispatch import served_queues
 from contracts.reports import WorkerPing
 from runtime.broker import broker_options
 from runtime.logs import configure_logging
-from worker.distributed import owned_devices
+from worker.process.launch import owned_devices
 from worker.settings import WorkerSettings, get_settings
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class WorkerApp(Celery):
     """The Celery app together with the settings it was configured from, which its tasks use."""
 
     def __init__(self, settings: WorkerSettings) -> None:
-        super().__init__("trainctl-worker", include=["worker.tasks"])
+        super().__init__("trainctl-worker", include=["worker.process.tasks"])
         self.settings = settings
         self.configure(settings)
 

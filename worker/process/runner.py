@@ -5,40 +5,32 @@ This is what the Celery task calls; it is plain Python, testable without Celery 
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
-import os
-import secrets
-import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 import torch
-from pydantic import ValidationError
+import torch.distributed as dist
 
-from contracts.paths import DataRoots, PathUse
-from contracts.reports import Claim, ClaimRequest, FailureCause, Finish
-from contracts.workflow import ENCODER_VERSION, Workflow
-from runtime.digest import digest_path
+from contracts.reports import Claim, FailureCause, Finish
+from contracts.workflow import Workflow
 from runtime.logs import log_context
 from worker import metrics
-from worker.data.store import DIGESTS, artifact_root, store_root
-from worker.distributed import launch_ranks, owned_devices
-from worker.error import ConfigError, SignatureMismatch, TrainingError, origin
+from worker.error import ConfigError, TrainingError, origin
 from worker.files import no_space, out_of_space
 from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.link.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.model.model import select_device
-from worker.settings import WorkerSettings
+from worker.process.claim import claim_request, parse_workflow, verified_workflow
+from worker.process.launch import PREEMPT, REPORTING, RankFailure, owned_devices, run_ranks
+from worker.settings import WorkerSettings, get_settings
 from worker.train.loop import PhaseOutcome, train_phase
 from worker.train.ranks import Ranks
 
 log = logging.getLogger(__name__)
-
-# Random per process: containers of one image share a hostname and often pid 1, so those two
-# alone would give two processes handed the same message the same nonce, and one claim.
-BOOT_ID = secrets.token_hex(16)
 
 
 def _never() -> bool:
@@ -76,22 +68,6 @@ def run_attempt(
     finally:
         if own_client:
             client.close()
-
-
-def claim_request(delivery: str | None) -> ClaimRequest:
-    """This process's claim for message `delivery`. Its nonce is the same for every retry of
-    that message in this process (the client's retries, and Celery's after a claim whose
-    answers were all lost), so a retry whose first try won gets the same claim back; another
-    process handed the same message (a redelivery) sends another nonce and is refused, so two
-    processes never hold one claim, even in two containers with one hostname and pid
-    (`BOOT_ID`). Without `delivery`, a random nonce (one try only)."""
-    hostname, pid = socket.gethostname(), os.getpid()
-    if delivery is None:
-        nonce = secrets.token_hex(16)
-    else:
-        identity = f"{delivery}|{hostname}|{pid}|{BOOT_ID}"
-        nonce = hashlib.sha256(identity.encode()).hexdigest()[:32]
-    return ClaimRequest(hostname=hostname, pid=pid, nonce=nonce)
 
 
 def _run_claimed(
@@ -133,22 +109,13 @@ def _reporter(claim: Claim, settings: WorkerSettings, client: ServiceClient) -> 
     )
 
 
-def _verified_workflow(
-    claim: Claim, settings: WorkerSettings, progress: Callable[[], None]
-) -> Workflow:
-    workflow = _parse_workflow(claim)
-    verify_encoder(claim)
-    verify_inputs(claim, workflow, progress, roots=settings.paths(artifact_root(claim)))
-    return workflow
-
-
 def _train_here(
     claim: Claim,
     reporter: ServiceReporter,
     settings: WorkerSettings,
     stop_requested: Callable[[], bool],
 ) -> PhaseOutcome:
-    workflow = _verified_workflow(claim, settings, reporter.progress)
+    workflow = verified_workflow(claim, settings, reporter.progress)
     device = select_device(settings.device)
     log.info("training %s on %s", _where(claim), device)
     return train_phase(
@@ -170,14 +137,14 @@ def _train_on_ranks(
     stop_requested: Callable[[], bool],
 ) -> PhaseOutcome | None:
     """The parent of a phase on `claim.devices` ranks: verify the inputs once, start the
-    ranks (worker.distributed) and hand them the lease; rank 0 reports and finishes the
+    ranks (worker.process.launch) and hand them the lease; rank 0 reports and finishes the
     attempt. A rank that fails ends the attempt here, with the first failed rank's cause."""
 
     verified = False
 
     def verify() -> None:
         nonlocal verified
-        _verified_workflow(claim, settings, reporter.progress)
+        verified_workflow(claim, settings, reporter.progress)
         kind, ids = owned_devices(settings)
         if claim.devices > len(ids):
             raise ConfigError(
@@ -206,6 +173,48 @@ def _train_on_ranks(
         again.close()
 
 
+def launch_ranks(
+    claim: Claim,
+    *,
+    settings: WorkerSettings,
+    stop_requested: Callable[[], bool],
+    handed_over: Callable[[], None],
+) -> tuple[object, RankFailure | None]:
+    """Run the claimed phase on `claim.devices` ranks and wait for them (`run_ranks`).
+    `handed_over` is called once rank 0's reporter holds the lease. A preemption notice
+    (`stop_requested`) is passed on to rank 0."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"trainctl-ranks-{claim.attempt_id}-"))
+    return run_ranks(
+        train_rank,
+        claim.devices,
+        (claim.model_dump_json(),),
+        workdir=workdir,
+        stop_requested=stop_requested,
+        handed_over=handed_over,
+    )
+
+
+def train_rank(device: torch.device, workdir: Path, claim_json: str) -> object:
+    """A rank's work (`rank_main`): train the claimed phase. Rank 0 reports to the service and
+    returns the phase's outcome; the others return None."""
+    claim = Claim.model_validate_json(claim_json)
+    workflow = Workflow.model_validate(claim.workflow)
+    ranks = Ranks(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        device=device,
+        sharding=workflow.phase_resources(claim.phase_index).sharding,
+    )
+    return run_rank(
+        claim,
+        settings=get_settings(),
+        ranks=ranks,
+        device=device,
+        stop_requested=(workdir / PREEMPT).exists,
+        reporting=lambda: (workdir / REPORTING).touch(),
+    )
+
+
 def run_rank(
     claim: Claim,
     *,
@@ -215,23 +224,23 @@ def run_rank(
     stop_requested: Callable[[], bool],
     reporting: Callable[[], None],
 ) -> PhaseOutcome | None:
-    """One rank of a phase on many devices (worker.distributed.rank_main). Rank 0 takes the
+    """One rank of a phase on many devices (worker.process.launch.rank_main). Rank 0 takes the
     lease over from the parent with a reporter of its own and finishes the attempt; the
     others train silently and leave reporting, and any refusal, to it."""
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
-    workflow = _parse_workflow(claim)
+    train = functools.partial(
+        train_phase,
+        claim=claim,
+        workflow=parse_workflow(claim),
+        device=device,
+        ranks=ranks,
+        restore_rng=not settings.test_skip_rng_restore,
+    )
     if not ranks.main:
         with log_context(process_wide=True, run_id=claim.run_id, attempt_id=claim.attempt_id):
             try:
-                train_phase(
-                    claim=claim,
-                    workflow=workflow,
-                    reporter=SilentReporter(),
-                    device=device,
-                    ranks=ranks,
-                    restore_rng=not settings.test_skip_rng_restore,
-                )
+                train(reporter=SilentReporter())
             except TrainingError as err:
                 log.info("rank %d: %s (rank 0 reports it)", ranks.rank, err)
         return None
@@ -244,15 +253,7 @@ def run_rank(
                 return _train_and_finish(
                     claim,
                     reporter,
-                    lambda: train_phase(
-                        claim=claim,
-                        workflow=workflow,
-                        reporter=reporter,
-                        device=device,
-                        stop_requested=stop_requested,
-                        ranks=ranks,
-                        restore_rng=not settings.test_skip_rng_restore,
-                    ),
+                    lambda: train(reporter=reporter, stop_requested=stop_requested),
                     report_crashes=False,
                 )
         finally:
@@ -342,68 +343,3 @@ def _failed(claim: Claim, reporter: ServiceReporter, cause: FailureCause, messag
         cause=cause,
         message=message,
     )
-
-
-def _parse_workflow(claim: Claim) -> Workflow:
-    try:
-        return Workflow.model_validate(claim.workflow)
-    except ValidationError as err:
-        raise ConfigError(f"the claimed workflow does not parse: {err}") from err
-
-
-def verify_encoder(claim: Claim) -> None:
-    """The run was signed under encoding rules this worker must share: a worker of another
-    version (a rolling upgrade) would train on other token ids than the run's identity says."""
-    if claim.encoder_version != ENCODER_VERSION:
-        raise ConfigError(
-            f"run {claim.run_id} was signed with encoder version {claim.encoder_version}, this "
-            f"worker encodes with version {ENCODER_VERSION}; run it on workers of the run's "
-            "version, or start a new run"
-        )
-
-
-def verify_inputs(
-    claim: Claim,
-    workflow: Workflow,
-    progress: Callable[[], None] | None = None,
-    *,
-    roots: DataRoots | None = None,
-) -> None:
-    """Every input this attempt reads must have the content the run's signature was computed
-    over: refuse before the first step, naming the file and both digests. Inputs it does not
-    read are not hashed (other phases' data; the initial checkpoint once a run checkpoint
-    supplies the weights), so a resume never depends on files it no longer needs. With
-    `roots`, each must first resolve inside them (contracts.paths; the service checked the
-    same when the run was submitted): ConfigError naming the file and the roots, nothing read.
-    """
-    digests = claim.digests
-    root = store_root(artifact_root(claim))
-    phase = workflow.phases[claim.phase_index]
-    reads = [s.path for s in phase.data] + [e.data for e in workflow.evals]
-    checks: list[tuple[str, str, str | None]] = [
-        ("tokenizer", workflow.tokenizer, digests.tokenizer)
-    ]
-    checks += [("data file", path, digests.data.get(path)) for path in dict.fromkeys(reads)]
-    if workflow.model.pretrained is not None:
-        checks.append(("pretrained model", workflow.model.pretrained, digests.pretrained))
-    if claim.initial_checkpoint is not None and claim.resume_from is None:
-        checks.append(("initial checkpoint", claim.initial_checkpoint, digests.initial_checkpoint))
-    if roots is not None:
-        for kind, path, _ in checks:
-            use: PathUse = "data" if kind in ("tokenizer", "data file") else "checkpoint"
-            if why := roots.refusal(path, use):
-                raise ConfigError(f"{kind}: {why} (on host {socket.gethostname()})")
-    for kind, path, expected in checks:
-        if progress is not None:
-            progress()  # each file hashed is progress: a stall is judged by it
-        if not Path(path).exists():
-            raise TrainingError(f"{kind} {path} not found on host {socket.gethostname()}")
-        # And each MiB of it. A digest is cached with its file's stat (runtime.digest): a
-        # phase start on a corpus hashed before costs a stat, not a read of the corpus.
-        actual = digest_path(path, progress, cache_dir=root / DIGESTS)
-        if actual != expected:
-            raise SignatureMismatch(
-                f"{kind} {path} has SHA-256 {actual}, but the run's signature was computed "
-                f"with {expected}; the file changed since the run was created (restore it, or "
-                "start a new run)"
-            )

@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -32,11 +31,9 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 import torch.distributed as dist
 
-from contracts.reports import Claim, FailureCause
-from contracts.workflow import Workflow
+from contracts.reports import FailureCause
 from worker.error import failure_cause
 from worker.settings import WorkerSettings
-from worker.train.ranks import Ranks
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -100,27 +97,6 @@ class RankFailure:
     message: str
     # As on one device (worker.error.failure_cause): a rank's out-of-memory is `oom`.
     cause: FailureCause = "infrastructure"
-
-
-def launch_ranks(
-    claim: Claim,
-    *,
-    settings: WorkerSettings,
-    stop_requested: Callable[[], bool],
-    handed_over: Callable[[], None],
-) -> tuple[object, RankFailure | None]:
-    """Run the claimed phase on `claim.devices` ranks and wait for them (`run_ranks`).
-    `handed_over` is called once rank 0's reporter holds the lease. A preemption notice
-    (`stop_requested`) is passed on to rank 0."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"trainctl-ranks-{claim.attempt_id}-"))
-    return run_ranks(
-        train_rank,
-        claim.devices,
-        (claim.model_dump_json(),),
-        workdir=workdir,
-        stop_requested=stop_requested,
-        handed_over=handed_over,
-    )
 
 
 def run_ranks(
@@ -285,27 +261,3 @@ def _joined(work: Callable[..., object], workdir: Path, *args: object) -> object
         raise
     finally:
         dist.destroy_process_group()
-
-
-def train_rank(device: torch.device, workdir: Path, claim_json: str) -> object:
-    """A rank's work (`rank_main`): train the claimed phase. Rank 0 reports to the service and
-    returns the phase's outcome; the others return None."""
-    from worker.runner import run_rank
-    from worker.settings import get_settings
-
-    claim = Claim.model_validate_json(claim_json)
-    workflow = Workflow.model_validate(claim.workflow)
-    ranks = Ranks(
-        rank=dist.get_rank(),
-        world=dist.get_world_size(),
-        device=device,
-        sharding=workflow.phase_resources(claim.phase_index).sharding,
-    )
-    return run_rank(
-        claim,
-        settings=get_settings(),
-        ranks=ranks,
-        device=device,
-        stop_requested=(workdir / PREEMPT).exists,
-        reporting=lambda: (workdir / REPORTING).touch(),
-    )

@@ -1,0 +1,117 @@
+"""The claim: what this process asks the service for (`claim_request`), and the checks of what
+a claim hands it before anything trains: the workflow parses, the encoder is the run's, and every
+input it reads has the content the run was signed with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from contracts.paths import DataRoots, PathUse
+from contracts.reports import Claim, ClaimRequest
+from contracts.workflow import ENCODER_VERSION, Workflow
+from runtime.digest import digest_path
+from worker.data.store import DIGESTS, artifact_root, store_root
+from worker.error import ConfigError, SignatureMismatch, TrainingError
+from worker.settings import WorkerSettings
+
+# Random per process: containers of one image share a hostname and often pid 1, so those two
+# alone would give two processes handed the same message the same nonce, and one claim.
+BOOT_ID = secrets.token_hex(16)
+
+
+def claim_request(delivery: str | None) -> ClaimRequest:
+    """This process's claim for message `delivery`. Its nonce is the same for every retry of
+    that message in this process (the client's retries, and Celery's after a claim whose
+    answers were all lost), so a retry whose first try won gets the same claim back; another
+    process handed the same message (a redelivery) sends another nonce and is refused, so two
+    processes never hold one claim, even in two containers with one hostname and pid
+    (`BOOT_ID`). Without `delivery`, a random nonce (one try only)."""
+    hostname, pid = socket.gethostname(), os.getpid()
+    if delivery is None:
+        nonce = secrets.token_hex(16)
+    else:
+        identity = f"{delivery}|{hostname}|{pid}|{BOOT_ID}"
+        nonce = hashlib.sha256(identity.encode()).hexdigest()[:32]
+    return ClaimRequest(hostname=hostname, pid=pid, nonce=nonce)
+
+
+def parse_workflow(claim: Claim) -> Workflow:
+    try:
+        return Workflow.model_validate(claim.workflow)
+    except ValidationError as err:
+        raise ConfigError(f"the claimed workflow does not parse: {err}") from err
+
+
+def verify_encoder(claim: Claim) -> None:
+    """The run was signed under encoding rules this worker must share: a worker of another
+    version (a rolling upgrade) would train on other token ids than the run's identity says."""
+    if claim.encoder_version != ENCODER_VERSION:
+        raise ConfigError(
+            f"run {claim.run_id} was signed with encoder version {claim.encoder_version}, this "
+            f"worker encodes with version {ENCODER_VERSION}; run it on workers of the run's "
+            "version, or start a new run"
+        )
+
+
+def verified_workflow(
+    claim: Claim, settings: WorkerSettings, progress: Callable[[], None]
+) -> Workflow:
+    workflow = parse_workflow(claim)
+    verify_encoder(claim)
+    verify_inputs(claim, workflow, progress, roots=settings.paths(artifact_root(claim)))
+    return workflow
+
+
+def verify_inputs(
+    claim: Claim,
+    workflow: Workflow,
+    progress: Callable[[], None] | None = None,
+    *,
+    roots: DataRoots | None = None,
+) -> None:
+    """Every input this attempt reads must have the content the run's signature was computed
+    over: refuse before the first step, naming the file and both digests. Inputs it does not
+    read are not hashed (other phases' data; the initial checkpoint once a run checkpoint
+    supplies the weights), so a resume never depends on files it no longer needs. With
+    `roots`, each must first resolve inside them (contracts.paths; the service checked the
+    same when the run was submitted): ConfigError naming the file and the roots, nothing read.
+    """
+    digests = claim.digests
+    root = store_root(artifact_root(claim))
+    phase = workflow.phases[claim.phase_index]
+    reads = [s.path for s in phase.data] + [e.data for e in workflow.evals]
+    checks: list[tuple[str, str, str | None]] = [
+        ("tokenizer", workflow.tokenizer, digests.tokenizer)
+    ]
+    checks += [("data file", path, digests.data.get(path)) for path in dict.fromkeys(reads)]
+    if workflow.model.pretrained is not None:
+        checks.append(("pretrained model", workflow.model.pretrained, digests.pretrained))
+    if claim.initial_checkpoint is not None and claim.resume_from is None:
+        checks.append(("initial checkpoint", claim.initial_checkpoint, digests.initial_checkpoint))
+    if roots is not None:
+        for kind, path, _ in checks:
+            use: PathUse = "data" if kind in ("tokenizer", "data file") else "checkpoint"
+            if why := roots.refusal(path, use):
+                raise ConfigError(f"{kind}: {why} (on host {socket.gethostname()})")
+    for kind, path, expected in checks:
+        if progress is not None:
+            progress()  # each file hashed is progress: a stall is judged by it
+        if not Path(path).exists():
+            raise TrainingError(f"{kind} {path} not found on host {socket.gethostname()}")
+        # And each MiB of it. A digest is cached with its file's stat (runtime.digest): a
+        # phase start on a corpus hashed before costs a stat, not a read of the corpus.
+        actual = digest_path(path, progress, cache_dir=root / DIGESTS)
+        if actual != expected:
+            raise SignatureMismatch(
+                f"{kind} {path} has SHA-256 {actual}, but the run's signature was computed "
+                f"with {expected}; the file changed since the run was created (restore it, or "
+                "start a new run)"
+            )
