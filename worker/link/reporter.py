@@ -359,7 +359,7 @@ def send_report(
         except ServiceError as err:
             # 409 `checkpoint_pinned`: a run started from it after this worker last heard the
             # pinned steps; the registry keeps it, and so does retention on disk
-            # (worker.train.loop.CheckpointKeeper).
+            # (worker.train.keeper.CheckpointKeeper).
             log.error(
                 "attempt %s: the service refused the %s report of step %d: %s",
                 attempt_id,

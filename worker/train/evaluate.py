@@ -1,10 +1,11 @@
 """Per-task evaluation: token-weighted, target-only cross-entropy over a whole eval file.
 
-Records go through the one encoder (worker.data.encode, read from the token store that training
-reads) and the loss through the one objective
-(worker.train.objective), so an eval number is the training loss without gradients. A supervised
-record that does not fit is skipped and counted in `oversized_records`; one without target
-tokens is an error, never a silent zero.
+Records go through the one encoder (worker.data.encode, read from the token store that
+training reads) and the loss through the one objective (worker.train.objective), so an eval
+number is the training loss without gradients. A supervised record that does not fit is skipped
+and counted in `oversized_records`; one without target tokens is an error, never a silent zero.
+The loop evaluates the sets due at a step with `run_evals`; jobs and the CLI evaluate a saved
+checkpoint with `evaluate_checkpoint`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from transformers import PreTrainedModel
 
 from contracts.jobs import EvaluateRequest
 from contracts.reports import EvalResult
-from contracts.workflow import EvalSpec, perplexity
+from contracts.workflow import EvalSpec, Phase, Workflow, perplexity
 from worker.data.batch import IGNORE_INDEX, StoredRecord, record_row, stack_rows, window_row
 from worker.data.encode import ZERO_TARGET
 from worker.data.store import KINDS, Stores
 from worker.data.tokenizer import load_tokenizer, special_token_ids
 from worker.error import ConfigError, DataError
+from worker.link.reporter import Reporter
 from worker.train.objective import objective_loss
 
 
@@ -141,6 +143,33 @@ def evaluate_task(
         target_tokens=total_tokens,
         oversized_records=data.oversized_records,
     )
+
+
+def run_evals(
+    model: PreTrainedModel,
+    workflow: Workflow,
+    eval_data: list[EvalData],
+    reporter: Reporter,
+    *,
+    step: int,
+    due: list[int],
+    phase: Phase,
+) -> list[EvalResult]:
+    """The results of the eval tasks `due` (indices into `workflow.evals` and `eval_data`) on
+    the model after `step`, in the order of `due`."""
+    results = []
+    for i in due:
+        results.append(
+            evaluate_task(
+                model,
+                eval_data[i],
+                batch_size=workflow.evals[i].batch_size,
+                step=step,
+                phase=phase.name,
+            )
+        )
+        reporter.progress()  # an eval reports nothing until it ends: each set done is progress
+    return results
 
 
 def _pad(

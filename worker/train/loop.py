@@ -3,56 +3,58 @@
 Steps are global (counted over the whole run): phase i makes updates offset+1 .. offset+steps,
 where offset = workflow.phase_offsets()[i]. "The model at step s" is the model after s updates;
 step 0 is the untrained (or initial-checkpoint) model whose evals are the run's baseline.
+
+Each step runs the same sections in the same order: learning rate; what eval and checkpoint
+are due; forward/backward and the optimizer step; log; the due eval and checkpoint; stop.
+Restoring the phase (worker.train.restore) and keeping its checkpoints (worker.train.keeper)
+happen outside the loop.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
+from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from contracts.reports import CheckpointRef, Claim, EvalResult
+from contracts.reports import CheckpointRef, Claim
 from contracts.workflow import Phase, Workflow
 from worker import failpoint, metrics
-from worker.checkpoint.layout import (
-    CheckpointState,
-    checkpoints_dir,
-    remove_stale_temporaries,
-    select_expired,
-    temporary_name,
-    verify_checkpoint,
-)
-from worker.checkpoint.resume import LoadedCheckpoint, load_checkpoint, select_resume_checkpoint
-from worker.checkpoint.shards import ShardedSave, ShardWriter, read_shards, verifier_of
-from worker.checkpoint.writer import CheckpointWriter, publish_checkpoint
-from worker.data.batch import PhaseData, batch_for_step, load_phase_data
+from worker.checkpoint.layout import checkpoints_dir, remove_stale_temporaries
+from worker.checkpoint.shards import ShardWriter
+from worker.checkpoint.writer import CheckpointWriter
+from worker.data.batch import Batch, PhaseData, batch_for_step, load_phase_data
 from worker.data.store import Stores, artifact_root, store_root
 from worker.data.tokenizer import load_tokenizer
-from worker.error import CheckpointError, ConfigError, NonFiniteLoss, TrainingError
+from worker.error import NonFiniteLoss
 from worker.link.reporter import Reporter
-from worker.model.model import build_model, configure_determinism, load_weights
-from worker.model.optim import Optimizers, build_optimizers
+from worker.model.model import configure_determinism
+from worker.model.optim import Optimizers
 from worker.model.rng import PrivateRandom
-from worker.train.evaluate import EvalData, evaluate_task, load_eval_data
+from worker.train.evaluate import EvalData, load_eval_data, run_evals
+from worker.train.keeper import (
+    CheckpointKeeper,
+    NoCheckpoints,
+    SaveParts,
+    StopOrdered,
+    gather_parts,
+)
 from worker.train.objective import StepLoss, backward_step
-from worker.train.ranks import Order, Ranks, shard_like
+from worker.train.ranks import Order, Ranks
+from worker.train.restore import Restored, restore_phase
 from worker.train.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
-
-_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -77,144 +79,8 @@ def should_eval(step: int, *, every: int, last: int) -> bool:
     return step == 0 or step == last or step % every == 0
 
 
-def phase_seed(seed: int, phase_index: int) -> int:
-    """The seed of a phase's private torch generator (dropout); distinct per phase, fixed by
-    the workflow."""
-    return int(np.random.SeedSequence([seed % 2**64, phase_index]).generate_state(1)[0])
-
-
 def _never() -> bool:
     return False
-
-
-class _StopOrdered(Exception):
-    """The service said stop: leave the loop at once, writing nothing more."""
-
-
-class CheckpointKeeper:
-    """The phase's checkpoints, from save to retirement. Saves run in the background, one at a
-    time: `save` makes the loop wait only for the copy into CPU buffers. A finished save is put
-    in place and registered from the loop's thread (`collect`, `wait`, or `save` finding the
-    previous one done), and only after the service confirmed that this attempt still owns the
-    run (the fencing check): a "stop" met there raises _StopOrdered, a "pause" sets
-    `pause_ordered`. Older checkpoints are deleted only once the service holds the new one,
-    never one the service says another run needs (pinned), and each only once the service
-    recorded its deletion."""
-
-    def __init__(
-        self,
-        *,
-        writer: CheckpointWriter,
-        reporter: Reporter,
-        model: PreTrainedModel,
-        optimizers: Optimizers,
-        claim: Claim,
-        workflow: Workflow,
-        latest: CheckpointRef | None,
-    ) -> None:
-        offsets = workflow.phase_offsets()
-        self._writer = writer
-        self._reporter = reporter
-        self._model = model
-        self._optimizers = optimizers
-        self._claim = claim
-        self._phase = workflow.phases[claim.phase_index]
-        self._offset = offsets[claim.phase_index]
-        self._directory = checkpoints_dir(claim.artifact_dir)
-        self._keep_last = workflow.checkpoint.keep_last
-        # Each phase's final checkpoint is kept: the next phase starts from it.
-        self._phase_finals = [o + p.steps for o, p in zip(offsets, workflow.phases, strict=True)]
-        self.latest = latest  # the newest registered checkpoint of this phase
-        self.pause_ordered = False  # a fencing check was answered "pause"
-
-    def save(self, step: int, *, tokens_seen: int, parts: SaveParts) -> None:
-        """Start saving the model after update `step` with `parts` (gathered from every rank:
-        `_parts`), unless that save is already under way; the previous save is registered
-        first if it finished meanwhile."""
-        if self._writer.last_started == step:
-            return
-        state = CheckpointState(
-            step=step,
-            phase_index=self._claim.phase_index,
-            phase_name=self._phase.name,
-            phase_step=step - self._offset,
-            tokens_seen=tokens_seen,
-            signature=self._claim.signature,
-            attempt_id=self._claim.attempt_id,
-            groups=self._optimizers.group_names(),
-        )
-        saved = self._writer.start(
-            model=self._model,
-            optimizers=self._optimizers,
-            state=state,
-            rng=parts.rng,
-            sharded=parts.sharded,
-        )
-        self._register(saved, done=step)
-
-    def collect(self, done: int) -> None:
-        """Register the save in flight if it has finished; `done`: the last update made."""
-        self._register(self._writer.poll(), done=done)
-
-    def wait(self, done: int) -> None:
-        """Block until the save in flight is on disk, then register it."""
-        self._register(self._writer.wait(), done=done)
-
-    def close(self) -> None:
-        self._writer.close()
-
-    def _register(self, saved: tuple[CheckpointState, Path] | None, *, done: int) -> None:
-        if saved is None:
-            return
-        state, tmp = saved
-        # Fencing: a worker that lost its lease (a zombie revived after the reaper gave the
-        # phase to another worker) learns it here, before it renames or deletes anything in
-        # the run's checkpoints. Costs one request per checkpoint. An unreachable service
-        # confirms nothing, but the rename never replaces a step directory and retention waits
-        # for the registration to be taken, so what is written then clobbers no one.
-        action = self._reporter.check(done, now=True)
-        if action == "stop":
-            raise _StopOrdered
-        self.pause_ordered = self.pause_ordered or action == "pause"
-        path = publish_checkpoint(tmp)
-        self.latest = CheckpointRef(
-            path=str(path),
-            step=state.step,
-            phase_index=state.phase_index,
-            phase_step=state.phase_step,
-        )
-        # Registered only once complete on disk. Older checkpoints are deleted only once the
-        # service holds this one: until then, what it would resume from must stay.
-        pinned = self._reporter.checkpoint(self.latest)  # a registration taken is fenced too
-        if pinned is not None:
-            self._retire(newest=state.step, pinned=pinned)
-        metrics.CHECKPOINTS.inc()
-        failpoint.hit("after_checkpoint", state.step)
-        log.info("checkpoint %s (phase %r, step %d)", path, self._phase.name, state.step)
-
-    def _retire(self, *, newest: int, pinned: frozenset[int]) -> None:
-        """Retention, now that the service holds `newest`. Ranked up to `newest` only:
-        unregistered leftovers of a dead attempt at later steps must not push out what the
-        service holds or what this attempt started from; `pinned` (the answer to this very
-        registration) is kept.
-
-        Each deletion is reported first and done only once the service recorded it, so the
-        registry never lists a checkpoint that is gone, and a run created from one after
-        `pinned` was answered keeps it: the service refuses that report (409
-        `checkpoint_pinned`). A report that is spooled (the service is unreachable) deletes
-        nothing now; the next registration's retention reports it again."""
-        reason = f"retention: keep_last {self._keep_last}, step {newest} registered"
-        expired = select_expired(
-            self._directory,
-            keep_last=self._keep_last,
-            keep_steps=[*self._phase_finals, *pinned],
-            newest=newest,
-        )
-        for step, path in expired:
-            if self._reporter.checkpoint_removed(step, "deleted", reason):
-                shutil.rmtree(path)
-            else:
-                log.info("keeping checkpoint %s: the service has not recorded its deletion", path)
 
 
 def train_phase(
@@ -238,19 +104,114 @@ def train_phase(
     of each step's microbatches; rank 0 alone evaluates, checkpoints and hears the service, and
     each step ends with its order. The outcome of another rank means nothing."""
     transformers_logging.disable_progress_bar()  # the worker logs; bars are for terminals
-    phase_index = claim.phase_index
-    phase = workflow.phases[phase_index]
-    offsets = workflow.phase_offsets()
-    offset, last = offsets[phase_index], offsets[phase_index] + phase.steps
+    phase = workflow.phases[claim.phase_index]
+    offset = workflow.phase_offsets()[claim.phase_index]
+    last = offset + phase.steps
     directory = checkpoints_dir(claim.artifact_dir)
     if ranks.main:
         remove_stale_temporaries(directory)
-
-    # Preparation reports nothing for minutes (reading and encoding data, verifying a
-    # checkpoint): the lease keeper holds the lease meanwhile, and each file read, batch of
-    # records encoded, MiB hashed or stage done is progress.
     configure_determinism(device)
     tokenizer = load_tokenizer(workflow.tokenizer)
+    data, eval_data = _load_data(claim, workflow, tokenizer, reporter)
+    restored = restore_phase(claim, workflow, tokenizer, reporter, device, ranks, restore_rng)
+    model, optimizers, rng = restored.model, restored.optimizers, restored.rng
+    resumed_from = restored.resumed_from
+    source_names = data.names()
+    keeper = _keeper(claim, workflow, reporter, ranks, tokenizer, restored, directory)
+    evaluate = functools.partial(run_evals, model, workflow, eval_data, reporter, phase=phase)
+    save_parts = functools.partial(  # a collective: every rank at the same step
+        gather_parts, ranks, rng, model, optimizers, restored.shards, last=last, directory=directory
+    )
+    evaluates = ranks.main or ranks.sharded  # rank 0 evaluates; sharded, every rank runs it
+    start, tokens_seen = restored.start, restored.tokens_seen
+    done = start  # the last step whose update was made
+    try:
+        if start == 0 and workflow.evals and evaluates:
+            reporter.evals(evaluate(step=0, due=list(range(len(workflow.evals)))))
+
+        for step in range(start + 1, last + 1):  # `step`: the update this iteration makes
+            phase_step = step - offset
+            # --- learning rate (a pure function of the phase step)
+            muon_lr, adamw_lr = _learning_rates(workflow, phase, phase_step)
+            optimizers.set_lr(muon_lr=muon_lr, adamw_lr=adamw_lr)
+
+            # --- eval and checkpoint: what is due for the model after this update
+            due_evals, checkpoint_due = _due(workflow, step, last)
+
+            # --- forward/backward over this rank's microbatches, clipping, the optimizer step
+            failpoint.hit("before_step", step)
+            started = time.perf_counter()
+            batches = _microbatches(data, workflow, claim.phase_index, phase_step, ranks, device)
+            result = _forward_backward(restored.trained, batches, rng, ranks, len(source_names))
+            max_norm = workflow.optimizer.grad_clip or math.inf
+            grad_norm = _whole(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            sources = sorted(result.by_source)
+            loss_value, norm_value, *source_nll = torch.stack(  # CPU-GPU sync point
+                [result.loss, grad_norm, *(result.by_source[i][0] for i in sources)]
+            ).tolist()
+            _check_finite(loss_value, norm_value, step, phase, keeper.latest)
+            _step_optimizers(
+                optimizers, check_coverage=step == start + 1 and restored.optimizer_loaded
+            )
+            done = step
+            failpoint.hit("after_step", step)
+            tokens_seen += phase.tokens_per_step
+            elapsed = time.perf_counter() - started
+            metrics.observe_step(step, elapsed, phase.tokens_per_step)
+
+            # --- log (buffered: the reporter posts in batches)
+            reporter.metrics(
+                step,
+                {
+                    "loss": loss_value,
+                    "lr": adamw_lr,
+                    "lr_muon": muon_lr,
+                    "grad_norm": norm_value,
+                    "tokens_per_s": phase.tokens_per_step / elapsed,
+                    **_source_metrics(data, source_names, phase_step, sources, source_nll, result),
+                },
+            )
+            # --- eval and checkpoint, as decided above (the loop waits for the snapshot only)
+            if due_evals and evaluates:
+                reporter.evals(evaluate(step=step, due=due_evals))
+            parts = save_parts(step=step) if checkpoint_due else None  # before any stop
+            # --- stop: the service's orders, then a preemption notice; rank 0's for every rank
+            order = ranks.agree(
+                _end_step(keeper, reporter, parts, step, last, tokens_seen, stop_requested)
+            )
+            if order == "stop":
+                raise StopOrdered
+            if step == last:
+                break
+            if order != "go":
+                keeper.save(step, tokens_seen=tokens_seen, parts=save_parts(step=step))
+                keeper.wait(step)  # the save above, unless it was under way already
+                return PhaseOutcome(
+                    status="preempted" if order == "preempt" else "paused",
+                    step=step,
+                    checkpoint=keeper.latest,
+                    resumed_from=resumed_from,
+                )
+
+        keeper.wait(last)
+        return PhaseOutcome(
+            status="succeeded", step=last, checkpoint=keeper.latest, resumed_from=resumed_from
+        )
+    except StopOrdered:
+        log.info("the service says stop at step %d; stopping without writing", done)
+        return PhaseOutcome(status="stopped", step=done, checkpoint=None, resumed_from=resumed_from)
+    finally:
+        _close(keeper, restored.shards)
+
+
+def _load_data(
+    claim: Claim, workflow: Workflow, tokenizer: Tokenizer, reporter: Reporter
+) -> tuple[PhaseData, list[EvalData]]:
+    """The phase's training data and every eval set's. Preparation reports nothing for minutes
+    (reading and encoding data, verifying a checkpoint): the lease keeper holds the lease
+    meanwhile, and each file read, batch of records encoded, MiB hashed or stage done is
+    progress."""
+    phase = workflow.phases[claim.phase_index]
     # Token stores are shared by every attempt, phase and run on the artifact store: a phase
     # whose files were tokenized before (by any run, or `trainctl data prepare`) maps them.
     stores = Stores(
@@ -269,267 +230,141 @@ def train_phase(
         )
         for spec in workflow.evals
     ]
-    source_names = data.names()
     reporter.progress()
-
-    # Restore order: model, weights, optimizer groups derived by name from the live model,
-    # optimizer state, then the phase's private random streams. Sharded, the model is built
-    # in host memory and each block moved to the device as it is sharded: no device holds
-    # the whole model.
-    model = build_model(workflow, _CPU if ranks.sharded else device)
-    _check_vocabulary(model, tokenizer, workflow.tokenizer)
-    rng = PrivateRandom(ranks.seed(phase_seed(workflow.seed, phase_index)), device)
-    # Every rank's part of a sharded checkpoint (a collective: its process group).
-    shards = ShardWriter(rank=ranks.rank, device=device) if ranks.sharded else None
-    resumed = _resume_point(claim, offsets, ranks, reporter)
-    if resumed is not None and resumed.whole_weights:
-        load_weights(model, resumed.path)
-    elif resumed is None and claim.initial_checkpoint is not None:
-        load_weights(model, claim.initial_checkpoint)
-    # What forward and backward run through; sharded, the model's own parameters become
-    # shards, so the optimizers are built over them after.
-    trained = ranks.wrap(model)
-    optimizers = build_optimizers(model, workflow.optimizer)
-    # A checkpoint inside this phase continues it: optimizer state and RNG. The previous
-    # phase's final one supplies the weights, and its optimizer state when this phase carries
-    # it; the RNG is then the phase's own seed, as at every phase start (an uninterrupted run
-    # starts each phase from that checkpoint in a fresh attempt too, so both stay exact).
-    inside = resumed if resumed is not None and resumed.state.phase_index == phase_index else None
-    carried = resumed if inside is None and phase.optimizer_state == "carry" else None
-    if resumed is not None and resumed.sharded:
-        # Weights not whole in it, and optimizer state, from the shards: each rank reads the
-        # parts of them its own tensors cover, whatever count of ranks wrote them.
-        loaded = read_shards(
-            resumed.path,
-            model=model,
-            optimizer=resumed.optimizer if inside is not None or carried is not None else None,
-            group=shards.group if shards is not None else None,
-            weights=not resumed.whole_weights,
-        )
-        if loaded is not None:
-            resumed = replace(resumed, optimizer=loaded)
-            inside = resumed if inside is not None else None
-            carried = resumed if carried is not None else None
-    if inside is not None:
-        optimizers.load_state_dict(inside.optimizer)
-        _shard_state(optimizers, ranks)
-        if restore_rng:
-            _restore_random(rng, ranks.own_random(inside.rng), inside.path)
-        else:
-            log.warning("not restoring the RNG (TRAINCTL_TEST_SKIP_RNG_RESTORE): inexact resume")
-    elif carried is not None:
-        optimizers.load_state_dict(carried.optimizer)
-        _shard_state(optimizers, ranks)
-    start = inside.state.step if inside is not None else offset
-    tokens_seen = resumed.state.tokens_seen if resumed is not None else 0
-    resumed_from = None
-    if resumed is not None:
-        resumed_from = CheckpointRef(
-            path=str(resumed.path),
-            step=resumed.state.step,
-            phase_index=resumed.state.phase_index,
-            phase_step=resumed.state.phase_step,
-        )
-        log.info("attempt %s resumes from %s", claim.attempt_id, resumed.path)
-
-    keeper: CheckpointKeeper | _NoCheckpoints = _NoCheckpoints()
-    if ranks.main:
-        keeper = CheckpointKeeper(
-            writer=CheckpointWriter(directory=directory, tokenizer=tokenizer),
-            reporter=reporter,
-            model=model,
-            optimizers=optimizers,
-            claim=claim,
-            workflow=workflow,
-            latest=resumed_from if inside is not None else None,
-        )
-    # Rank 0 evaluates (and reports); sharded, every rank runs the forward with it.
-    evaluates = ranks.main or ranks.sharded
-    done = start  # the last step whose update was made
-    try:
-        if start == 0 and workflow.evals and evaluates:
-            baseline = list(range(len(workflow.evals)))
-            reporter.evals(
-                run_evals(model, workflow, eval_data, reporter, step=0, due=baseline, phase=phase)
-            )
-
-        for step in range(start + 1, last + 1):  # `step`: the update this iteration makes
-            # --- learning rate (a pure function of the phase step)
-            multiplier = phase.lr_scale * lr_multiplier(
-                step - offset, total_steps=phase.steps, schedule=phase.schedule
-            )
-            muon_lr = workflow.optimizer.muon_lr * multiplier
-            adamw_lr = workflow.optimizer.adamw_lr * multiplier
-            optimizers.set_lr(muon_lr=muon_lr, adamw_lr=adamw_lr)
-
-            # --- eval and checkpoint decisions, for the model after this update
-            due_evals = [
-                i
-                for i, spec in enumerate(workflow.evals)
-                if should_eval(step, every=spec.every_steps, last=last)
-            ]
-            checkpoint_due = should_checkpoint(
-                step, every=workflow.checkpoint.every_steps, last=last
-            )
-
-            # --- forward/backward over the step's microbatches
-            failpoint.hit("before_step", step)
-            started = time.perf_counter()
-            microbatches = [
-                batch_for_step(
-                    data,
-                    seed=workflow.seed,
-                    phase_index=phase_index,
-                    step=step - offset,
-                    micro=micro,
-                ).to(device)
-                for micro in ranks.share(phase.grad_accum)
-            ]
-            # The loss is weighted over the target tokens of the whole global batch.
-            [step_tokens] = ranks.sum([float(sum(b.target_tokens for b in microbatches))])
-            with rng.drawing():
-                result = backward_step(
-                    trained,
-                    microbatches,
-                    step_tokens=int(step_tokens),
-                    grad_scale=ranks.grad_scale,
-                )
-            result = _summed(result, ranks, len(source_names))
-
-            # --- gradient clipping, then the optimizer steps
-            max_norm = workflow.optimizer.grad_clip or math.inf
-            grad_norm = _whole(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-            sources = sorted(result.by_source)
-            loss_value, norm_value, *source_nll = torch.stack(  # CPU-GPU sync
-                [result.loss, grad_norm, *(result.by_source[i][0] for i in sources)]
-            ).tolist()
-            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                raise NonFiniteLoss(
-                    _non_finite_message(loss_value, norm_value, step, phase, keeper.latest)
-                )
-            if step == start + 1 and (inside is not None or carried is not None):
-                optimizers.step_checking_coverage()  # copies every parameter, this step only
-            else:
-                optimizers.step()
-            optimizers.zero_grad()
-            done = step
-            failpoint.hit("after_step", step)
-            tokens_seen += phase.tokens_per_step
-            elapsed = time.perf_counter() - started
-            metrics.observe_step(step, elapsed, phase.tokens_per_step)
-
-            # --- log
-            reporter.metrics(
-                step,
-                {
-                    "loss": loss_value,
-                    "lr": adamw_lr,
-                    "lr_muon": muon_lr,
-                    "grad_norm": norm_value,
-                    "tokens_per_s": phase.tokens_per_step / elapsed,
-                    **_source_metrics(
-                        data, source_names, step - offset, sources, source_nll, result
-                    ),
-                },
-            )
-            # --- eval and checkpoint, as decided above
-            if due_evals and evaluates:
-                reporter.evals(
-                    run_evals(
-                        model, workflow, eval_data, reporter, step=step, due=due_evals, phase=phase
-                    )
-                )
-            order: Order = "go"
-            # Every rank's random streams, gathered before anything on rank 0 may stop it.
-            parts = None
-            if checkpoint_due:
-                parts = _parts(
-                    ranks, rng, model, optimizers, shards, step=step, last=last, directory=directory
-                )
-            try:
-                keeper.collect(step)  # a background save that finished
-                if parts is not None:
-                    keeper.save(step, tokens_seen=tokens_seen, parts=parts)
-                # --- stop check: the service's orders, then a preemption notice
-                if step < last:
-                    order = _order(reporter.check(step), keeper.pause_ordered, stop_requested())
-            except _StopOrdered:
-                order = "stop"
-            order = ranks.agree(order)  # every rank takes rank 0's order
-            if order == "stop":
-                raise _StopOrdered
-            if step == last:
-                break
-            if order != "go":
-                parts = _parts(
-                    ranks, rng, model, optimizers, shards, step=step, last=last, directory=directory
-                )
-                keeper.save(step, tokens_seen=tokens_seen, parts=parts)  # unless under way
-                keeper.wait(step)
-                return PhaseOutcome(
-                    status="preempted" if order == "preempt" else "paused",
-                    step=step,
-                    checkpoint=keeper.latest,
-                    resumed_from=resumed_from,
-                )
-
-        keeper.wait(last)
-        return PhaseOutcome(
-            status="succeeded", step=last, checkpoint=keeper.latest, resumed_from=resumed_from
-        )
-    except _StopOrdered:
-        log.info("the service says stop at step %d; stopping without writing", done)
-        return PhaseOutcome(status="stopped", step=done, checkpoint=None, resumed_from=resumed_from)
-    finally:
-        # After a failure or a stop: a save in flight finishes its temporary directory, which
-        # is never put in place or registered.
-        try:
-            keeper.close()
-        finally:
-            if shards is not None:
-                shards.close()  # this rank's shards on disk before the process may end
+    return data, eval_data
 
 
-def _resume_point(
-    claim: Claim, offsets: list[int], ranks: Ranks, reporter: Reporter
-) -> LoadedCheckpoint | None:
-    """The checkpoint this attempt starts from (select_resume_checkpoint). Rank 0 chooses and
-    quarantines what fails verification, each quarantine reported as it happens, before a
-    failure to find any usable checkpoint propagates: the service must never hand it out
-    again. Every rank verifies its share of each candidate at once (the shard files it reads,
-    worker.checkpoint.shards.verifier_of), so that none waits in a collective while another hashes a
-    whole checkpoint; the others load rank 0's choice without hashing it again."""
-
-    def share(name: str) -> bool:
-        return verifier_of(name, ranks.world) == ranks.rank
-
-    def problem(path: Path) -> str | None:
-        try:
-            verify_checkpoint(path, reporter.progress, share=share)
-        except CheckpointError as err:
-            return str(err)
-        return None
-
+def _keeper(
+    claim: Claim,
+    workflow: Workflow,
+    reporter: Reporter,
+    ranks: Ranks,
+    tokenizer: Tokenizer,
+    restored: Restored,
+    directory: Path,
+) -> CheckpointKeeper | NoCheckpoints:
+    """Rank 0's checkpoints (it holds the replicated state and hears the service); none on the
+    other ranks. A phase resumed from a checkpoint of its own continues its checkpoints."""
     if not ranks.main:
-        chosen = ranks.serve_checks(problem)
-        return None if chosen is None else load_checkpoint(chosen, verify=False)
+        return NoCheckpoints()
+    return CheckpointKeeper(
+        writer=CheckpointWriter(directory=directory, tokenizer=tokenizer),
+        reporter=reporter,
+        model=restored.model,
+        optimizers=restored.optimizers,
+        claim=claim,
+        workflow=workflow,
+        latest=restored.resumed_from if restored.inside else None,
+    )
 
-    def verify(path: Path) -> None:
-        if (found := ranks.check_together(path, problem)) is not None:
-            raise CheckpointError(found)
 
-    try:
-        resumed = select_resume_checkpoint(
-            claim,
-            offsets,
-            on_quarantine=lambda q: reporter.checkpoint_removed(q.step, "quarantined", q.reason),
-            verify=verify,
+def _learning_rates(workflow: Workflow, phase: Phase, phase_step: int) -> tuple[float, float]:
+    """(Muon's, AdamW's) learning rate at `phase_step`: a pure function of it."""
+    multiplier = phase.lr_scale * lr_multiplier(
+        phase_step, total_steps=phase.steps, schedule=phase.schedule
+    )
+    return workflow.optimizer.muon_lr * multiplier, workflow.optimizer.adamw_lr * multiplier
+
+
+def _due(workflow: Workflow, step: int, last: int) -> tuple[list[int], bool]:
+    """(the eval sets, indices into `workflow.evals`, due on the model after update `step`;
+    whether its checkpoint is)."""
+    evals = [
+        i
+        for i, spec in enumerate(workflow.evals)
+        if should_eval(step, every=spec.every_steps, last=last)
+    ]
+    return evals, should_checkpoint(step, every=workflow.checkpoint.every_steps, last=last)
+
+
+def _microbatches(
+    data: PhaseData,
+    workflow: Workflow,
+    phase_index: int,
+    phase_step: int,
+    ranks: Ranks,
+    device: torch.device,
+) -> list[Batch]:
+    """This rank's share of the step's microbatches, on `device` (a pure function of the
+    step: no loader state)."""
+    phase = workflow.phases[phase_index]
+    return [
+        batch_for_step(
+            data, seed=workflow.seed, phase_index=phase_index, step=phase_step, micro=micro
+        ).to(device)
+        for micro in ranks.share(phase.grad_accum)
+    ]
+
+
+def _forward_backward(
+    trained: nn.Module,
+    microbatches: list[Batch],
+    rng: PrivateRandom,
+    ranks: Ranks,
+    sources: int,
+) -> StepLoss:
+    """Forward and backward over `microbatches`, gradients accumulated, dropout drawn from the
+    phase's private streams; the loss summed over every rank's microbatches."""
+    # The loss is weighted over the target tokens of the whole global batch.
+    [step_tokens] = ranks.sum([float(sum(b.target_tokens for b in microbatches))])
+    with rng.drawing():
+        result = backward_step(
+            trained,
+            microbatches,
+            step_tokens=int(step_tokens),
+            grad_scale=ranks.grad_scale,
         )
-    except TrainingError:
-        ranks.end_checks(None, failed=True)  # the others end too; rank 0 reports why
-        raise
-    ranks.end_checks(str(resumed.path) if resumed is not None else None)
-    return resumed
+    return _summed(result, ranks, sources)
+
+
+def _step_optimizers(optimizers: Optimizers, *, check_coverage: bool) -> None:
+    """Muon's and AdamW's steps, then their gradients cleared. `check_coverage`: the first
+    step after optimizer state was loaded, which must cover every parameter."""
+    if check_coverage:
+        optimizers.step_checking_coverage()  # copies every parameter, this step only
+    else:
+        optimizers.step()
+    optimizers.zero_grad()
+
+
+def _check_finite(
+    loss: float, grad_norm: float, step: int, phase: Phase, latest: CheckpointRef | None
+) -> None:
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteLoss(_non_finite_message(loss, grad_norm, step, phase, latest))
+
+
+def _close(keeper: CheckpointKeeper | NoCheckpoints, shards: ShardWriter | None) -> None:
+    """After a failure or a stop: a save in flight finishes its temporary directory, which is
+    never put in place or registered."""
+    try:
+        keeper.close()
+    finally:
+        if shards is not None:
+            shards.close()  # this rank's shards on disk before the process may end
+
+
+def _end_step(
+    keeper: CheckpointKeeper | NoCheckpoints,
+    reporter: Reporter,
+    parts: SaveParts | None,
+    step: int,
+    last: int,
+    tokens_seen: int,
+    stop_requested: Callable[[], bool],
+) -> Order:
+    """Rank 0's order at the end of update `step`: a background save that finished is put in
+    place, the save of `parts` (when due) starts, then the service's orders and a preemption
+    notice are heard (not after the phase's last step). A stop met anywhere here is "stop"."""
+    try:
+        keeper.collect(step)  # a background save that finished
+        if parts is not None:
+            keeper.save(step, tokens_seen=tokens_seen, parts=parts)
+        if step < last:
+            return _order(reporter.check(step), keeper.pause_ordered, stop_requested())
+    except StopOrdered:
+        return "stop"
+    return "go"
 
 
 def _order(action: str, pause_ordered: bool, preempted: bool) -> Order:
@@ -540,71 +375,6 @@ def _order(action: str, pause_ordered: bool, preempted: bool) -> Order:
     if preempted:
         return "preempt"
     return "pause" if action == "pause" or pause_ordered else "go"
-
-
-class _NoCheckpoints:
-    """The checkpoints of a rank other than 0: none (rank 0's hold the replicated state)."""
-
-    latest: CheckpointRef | None = None
-    pause_ordered = False
-
-    def save(self, step: int, *, tokens_seen: int, parts: SaveParts) -> None:
-        pass
-
-    def collect(self, done: int) -> None:
-        pass
-
-    def wait(self, done: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class SaveParts:
-    """What a checkpoint needs from every rank: their random streams, and (sharded) each
-    rank's shards, being written (worker.checkpoint.shards); None: the live model's and
-    optimizers'."""
-
-    rng: dict[str, torch.Tensor]
-    sharded: ShardedSave | None = None
-
-
-def _parts(
-    ranks: Ranks,
-    rng: PrivateRandom,
-    model: PreTrainedModel,
-    optimizers: Optimizers,
-    shards: ShardWriter | None,
-    *,
-    step: int,
-    last: int,
-    directory: Path,
-) -> SaveParts:
-    """Collectives: every rank calls this at the same step, before anything on rank 0 may
-    stop it. Sharded, every rank starts writing its shards of `step` (and at the phase's
-    `last` step, the model is gathered whole for rank 0's `model.safetensors`)."""
-    sharded = None
-    if shards is not None:
-        sharded = shards.start(
-            step,
-            temporary=directory / temporary_name(step),
-            model=model,
-            optimizers=optimizers,
-            whole=step == last,
-        )
-    return SaveParts(rng=ranks.gather_random(rng.state_dict()), sharded=sharded)
-
-
-def _shard_state(optimizers: Optimizers, ranks: Ranks) -> None:
-    """Sharded, optimizer state loaded whole from a checkpoint, shaped as its parameters."""
-    if not ranks.sharded:
-        return
-    for optimizer in (optimizers.muon, optimizers.adamw):
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                state[key] = shard_like(value, param)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -628,33 +398,6 @@ def _summed(result: StepLoss, ranks: Ranks, sources: int) -> StepLoss:
     return StepLoss(loss=torch.tensor(summed[0]), by_source=by_source)
 
 
-def run_evals(
-    model: PreTrainedModel,
-    workflow: Workflow,
-    eval_data: list[EvalData],
-    reporter: Reporter,
-    *,
-    step: int,
-    due: list[int],
-    phase: Phase,
-) -> list[EvalResult]:
-    """The results of the eval tasks `due` (indices into `workflow.evals` and `eval_data`) on
-    the model after `step`, in the order of `due`."""
-    results = []
-    for i in due:
-        results.append(
-            evaluate_task(
-                model,
-                eval_data[i],
-                batch_size=workflow.evals[i].batch_size,
-                step=step,
-                phase=phase.name,
-            )
-        )
-        reporter.progress()  # an eval reports nothing until it ends: each set done is progress
-    return results
-
-
 def _source_metrics(
     data: PhaseData,
     names: list[str],
@@ -676,31 +419,6 @@ def _source_metrics(
     for i, name in enumerate(names):
         out[f"token_share/{name}"] = float(shares[i])
     return out
-
-
-def _restore_random(rng: PrivateRandom, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Continue the phase's random streams where the checkpoint left them. A checkpoint
-    without them (written by an older trainctl, or on another kind of device) still resumes,
-    with those streams from the phase's seed: the run goes on, not bit-exactly."""
-    missing = rng.load_state_dict(state)
-    if missing:
-        log.warning(
-            "checkpoint %s holds no random state for %s: dropout continues from the phase's "
-            "seed, so this resume is not bit-identical to an uninterrupted run",
-            path,
-            ", ".join(missing),
-        )
-
-
-def _check_vocabulary(model: PreTrainedModel, tokenizer: Tokenizer, path: str) -> None:
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    embedding = model.get_input_embeddings()
-    rows = embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else size
-    if size > rows:
-        raise ConfigError(
-            f"tokenizer {path} has {size} tokens but the model's embedding has {rows} rows; "
-            f"set model.config.vocab_size to at least {size}"
-        )
 
 
 def _non_finite_message(
