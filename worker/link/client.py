@@ -157,18 +157,17 @@ class ServiceClient:
     def start_job(self, job_id: str) -> Job | None:
         """Mark the job running; its request comes back. None when it already has an outcome
         (a message delivered twice): drop it."""
-        try:
-            return self._post(f"/internal/jobs/{job_id}/start", None, Job)
-        except ServiceError as err:
-            if err.status == 409 and err.code == JOB_FINISHED:
-                return None
-            raise
+        return self._post_job(f"/internal/jobs/{job_id}/start", None)
 
     def finish_job(self, job_id: str, outcome: JobOutcome) -> Job | None:
         """Post the job's outcome. None when the job already had another one (another worker
         ran the same message): the first outcome is kept."""
+        return self._post_job(f"/internal/jobs/{job_id}/result", outcome)
+
+    def _post_job(self, path: str, body: BaseModel | None) -> Job | None:
+        """The job, or None when the service answers that it already has an outcome."""
         try:
-            return self._post(f"/internal/jobs/{job_id}/result", outcome, Job)
+            return self._post(path, body, Job)
         except ServiceError as err:
             if err.status == 409 and err.code == JOB_FINISHED:
                 return None

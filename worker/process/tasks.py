@@ -41,19 +41,20 @@ def _on_worker_ready(**_: Any) -> None:
         drain_spools(client, app.settings.spool_dir)
 
 
-# shared=False: registered on this app only, not on every Celery app of the process.
+# Every task: shared=False, registered on this app only, not on every Celery app of the process.
 # A service that cannot be reached is retried later with backoff (bounded): the message must not
-# be lost while its attempt waits, unclaimed, in the database. A retried message that finds its
-# attempt claimed meanwhile is dropped by the claim.
-@app.task(
-    name=RUN_PHASE_TASK,
-    shared=False,
-    bind=True,
-    autoretry_for=(ServiceUnavailable,),
-    retry_backoff=30,
-    retry_backoff_max=600,
-    max_retries=8,
-)
+# be lost while its attempt or job waits, unclaimed, in the database. A retried message that
+# finds its attempt claimed meanwhile is dropped by the claim.
+_TASK: dict[str, Any] = {
+    "shared": False,
+    "autoretry_for": (ServiceUnavailable,),
+    "retry_backoff": 30,
+    "retry_backoff_max": 600,
+    "max_retries": 8,
+}
+
+
+@app.task(name=RUN_PHASE_TASK, bind=True, **_TASK)
 def run_phase(self: Task, attempt_id: str) -> None:
     if _preempted.is_set():
         # A worker that received its preemption notice may still be handed one more message
@@ -76,25 +77,16 @@ def _run_job(kind: JobKind, job_id: str, request: dict[str, Any]) -> None:
 
 # Jobs: a failure of the work is the job's outcome (posted, never retried); only a service that
 # cannot be reached is retried, boundedly, as for run_phase.
-_JOB_TASK: dict[str, Any] = {
-    "shared": False,
-    "autoretry_for": (ServiceUnavailable,),
-    "retry_backoff": 30,
-    "retry_backoff_max": 600,
-    "max_retries": 8,
-}
-
-
-@app.task(name=INSPECT_DATASET_TASK, **_JOB_TASK)
+@app.task(name=INSPECT_DATASET_TASK, **_TASK)
 def inspect_dataset(job_id: str, request: dict[str, Any]) -> None:
     _run_job("inspection", job_id, request)
 
 
-@app.task(name=PREPARE_DATASET_TASK, **_JOB_TASK)
+@app.task(name=PREPARE_DATASET_TASK, **_TASK)
 def prepare_dataset(job_id: str, request: dict[str, Any]) -> None:
     _run_job("preparation", job_id, request)
 
 
-@app.task(name=EVALUATE_CHECKPOINT_TASK, **_JOB_TASK)
+@app.task(name=EVALUATE_CHECKPOINT_TASK, **_TASK)
 def evaluate_checkpoint(job_id: str, request: dict[str, Any]) -> None:
     _run_job("evaluation", job_id, request)
