@@ -19,6 +19,17 @@ FORBIDDEN = {
     "service": {"worker", "torch", "transformers", "safetensors", "tokenizers"},
     "worker": {"service", "sqlalchemy", "alembic", "fastapi"},
 }
+# Inside worker, arrows run one way: each subpackage imports only the ones below it (its
+# __init__.py says which), and worker's shared top-level modules (settings, error, files,
+# failpoint, metrics) import none.
+WORKER_BELOW = {
+    "data": set(),
+    "model": set(),
+    "link": set(),
+    "checkpoint": {"data", "model"},
+    "train": {"checkpoint", "data", "link", "model"},
+    "process": {"checkpoint", "data", "link", "model", "train"},
+}
 
 
 def imported_roots(package: Path) -> dict[str, set[str]]:
@@ -36,6 +47,25 @@ def imported_roots(package: Path) -> dict[str, set[str]]:
                 continue
             for name in names:
                 found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(package)))
+    return found
+
+
+def worker_subpackages_imported(paths: list[Path], root: Path) -> dict[str, set[str]]:
+    """{worker subpackage: files among `paths` that import it}, lazy imports included."""
+    found: dict[str, set[str]] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if len(parts) > 1 and parts[0] == "worker" and parts[1] in WORKER_BELOW:
+                    found.setdefault(parts[1], set()).add(str(path.relative_to(root)))
     return found
 
 
@@ -67,3 +97,35 @@ def test_the_checks_see_lazy_imports_and_name_the_file(tmp_path: Path) -> None:
     )
     assert contracts_violations(tmp_path) == {"kombu": {"dispatch.py"}, "torch": {"dispatch.py"}}
     assert wall_violations(tmp_path, FORBIDDEN["runtime"]) == {"torch": {"dispatch.py"}}
+
+
+def test_every_worker_subpackage_has_its_place_among_the_arrows() -> None:
+    folders = {p.name for p in (ROOT / "worker").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(WORKER_BELOW)
+
+
+@pytest.mark.parametrize("subpackage", sorted(WORKER_BELOW))
+def test_a_worker_subpackage_imports_only_the_ones_below_it(subpackage: str) -> None:
+    package = ROOT / "worker" / subpackage
+    found = worker_subpackages_imported(sorted(package.rglob("*.py")), ROOT)
+    allowed = WORKER_BELOW[subpackage] | {subpackage}
+    assert {name: files for name, files in found.items() if name not in allowed} == {}
+
+
+def test_the_shared_worker_modules_import_no_worker_subpackage() -> None:
+    assert worker_subpackages_imported(sorted((ROOT / "worker").glob("*.py")), ROOT) == {}
+
+
+def test_the_worker_arrows_see_lazy_imports_and_module_imports(tmp_path: Path) -> None:
+    (tmp_path / "loop.py").write_text(
+        "from worker.data.batch import Batch\n"
+        "from worker import settings\n"
+        "def later():\n"
+        "    from worker.process import runner\n"
+        "    import worker.link.client\n"
+    )
+    assert worker_subpackages_imported([tmp_path / "loop.py"], tmp_path) == {
+        "data": {"loop.py"},
+        "process": {"loop.py"},
+        "link": {"loop.py"},
+    }
