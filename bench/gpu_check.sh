@@ -3,6 +3,9 @@
 #   1. the demo (`trainctl demo`: the embedded stack, SQLite, one worker) on cuda, bf16 autocast;
 #   2. the throughput bench at GPU size (bench/train_throughput.py --device cuda --size gpu:
 #      tokens/s and MFU of trainctl's loop and of a bare PyTorch loop, against the GPU's peak);
+#   2b. the cost of the private-RNG function mode (worker/model/rng.py) on the GPU model: the
+#      bare step timed with and without it (train_throughput.py --rng-mode), the ratio printed;
+#      then again with attention dropout 0.1, where the mode's own dropout path runs too;
 #   3. when two GPUs are there, the demo with every phase on two ranks (NCCL): replicated (DDP),
 #      then sharded (FSDP2, checkpoints written shard by shard);
 # and prints one summary. Logs go to $OUT (the device tool's folder) or a temporary directory.
@@ -42,6 +45,18 @@ read -r demo_rc demo_s < <(demo "$out/demo.log" env)
 "$PY" bench/train_throughput.py --device cuda --size gpu --rounds 3 --steps 10 \
     >"$out/throughput.md" 2>"$out/throughput.err"
 bench_rc=$?
+rng_mode() {  # rng_mode LOG [ARGS...]: the bare step with and without the private-RNG mode
+    local log=$1
+    shift
+    "$PY" bench/train_throughput.py --rng-mode --device cuda --size gpu --rounds 3 --steps 10 "$@" \
+        >"$out/$log.md" 2>"$out/$log.err"
+    local rc=$?
+    local ratio
+    ratio=$(sed -n 's/^rng mode ratio .*: //p' "$out/$log.md")
+    echo "${ratio:-none} $rc"
+}
+read -r rng_ratio rng_rc < <(rng_mode rng_mode)
+read -r rng_dropout_ratio rng_dropout_rc < <(rng_mode rng_mode_dropout --dropout 0.1)
 
 two="skipped (one GPU)"
 sharded="skipped (one GPU)"
@@ -80,8 +95,14 @@ echo "- demo on cuda (bf16): exit $demo_rc in ${demo_s}s" \
     "($( [ "$demo_rc" = 0 ] && echo 'loss fell, every task beat its baseline' || echo 'FAILED: see demo.log'))"
 echo "- two-rank demo (NCCL, DDP): $two"
 echo "- two-rank demo (NCCL, FSDP2, sharded checkpoints): $sharded"
+echo "- private-RNG function mode, tokens/s with / without (below 1: it costs): $rng_ratio" \
+    "(exit $rng_rc); with attention dropout 0.1: $rng_dropout_ratio (exit $rng_dropout_rc)"
 echo "- throughput bench (exit $bench_rc):"
 echo
 sed 's/^/    /' "$out/throughput.md"
+echo
+echo "- private-RNG function mode (rng_mode.md, rng_mode_dropout.md):"
+echo
+sed 's/^/    /' "$out/rng_mode.md" "$out/rng_mode_dropout.md"
 tail -n 15 "$out/demo.log" >"$out/demo.tail" 2>/dev/null
-[ "$demo_rc" = 0 ] && [ "$bench_rc" = 0 ] && { [ "$gpus" -lt 2 ] || { [ "${two_rc:-0}" = 0 ] && [ "${sharded_rc:-0}" = 0 ]; }; }
+[ "$demo_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$rng_rc" = 0 ] && { [ "$gpus" -lt 2 ] || { [ "${two_rc:-0}" = 0 ] && [ "${sharded_rc:-0}" = 0 ]; }; }

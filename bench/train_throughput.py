@@ -23,11 +23,20 @@ last (startup, tokenization and the final checkpoint are outside), for the bare 
 number of steps after one warm-up step. Both count every position of the envelope as a token.
 
     .venv/bin/python bench/train_throughput.py [--objective summarization] [--rounds 5]
-        [--steps 20] [--device cuda --size gpu [--peak-tflops 989]]
+        [--steps 20] [--device cuda --size gpu [--peak-tflops 989]] [--rng-mode [--dropout 0.1]]
 
 `--device cuda` trains both loops under bf16 autocast, as the worker does on a GPU; `--size gpu`
 is a ~150M-parameter llama in 8 x 2048-token microbatches, and with a known device (or
 `--peak-tflops`) the model FLOPs utilisation (MFU) of both is printed.
+
+`--rng-mode` times something else: the bare loop's step with and without the private-RNG
+function mode (`worker/model/rng.py`: `PrivateRandom.drawing()`, which the worker's loop wraps
+around forward and backward), in interleaved rounds, and prints the ratio. The mode adds Python
+work to every torch call; on a CPU that is lost in the op's own time, on a GPU it may not be.
+`--dropout P` sets the model's attention dropout, so that the mode's own dropout (drawn from the
+private generator, attention computed by its reference formula) is in the step too; without it
+both loops compute the same thing. Runs anywhere: `--rng-mode --device cpu --size demo` in a
+few seconds.
 
 Prints a markdown table; writes nothing but temporary files (tokenizer, data, the phase's final
 checkpoint) that are deleted on exit.
@@ -36,6 +45,7 @@ checkpoint) that are deleted on exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import random
@@ -59,6 +69,7 @@ from worker.data.tokenizer import load_tokenizer
 from worker.link.reporter import Action
 from worker.model.model import configure_determinism
 from worker.model.optim import build_optimizers
+from worker.model.rng import PrivateRandom
 from worker.train.loop import train_phase
 
 
@@ -254,9 +265,21 @@ def batch_fill(workflow: Workflow, steps: int) -> tuple[float, float, float | No
     return real / positions, targets / positions, records
 
 
-def bare_tokens_per_s(workflow: Workflow, steps: int, setup: Setup, device: torch.device) -> float:
+def bare_tokens_per_s(
+    workflow: Workflow,
+    steps: int,
+    setup: Setup,
+    device: torch.device,
+    *,
+    private: PrivateRandom | None = None,
+    dropout: float = 0.0,
+) -> float:
+    """The bare loop's tokens/s. With `private`, forward and backward run under its function
+    mode, as the worker's loop runs them (clipping and the optimizer steps outside it)."""
     torch.manual_seed(0)
     config = {k: v for k, v in setup.model.items() if k != "model_type"}
+    if dropout:
+        config["attention_dropout"] = dropout
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config))
     model = model.to(device).train()
     optimizers = build_optimizers(model, workflow.optimizer)
@@ -267,11 +290,13 @@ def bare_tokens_per_s(workflow: Workflow, steps: int, setup: Setup, device: torc
     cuda = device.type == "cuda"
 
     def step() -> None:
-        # As worker.train.objective: the forward under bf16 autocast on CUDA, the loss in float32.
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = model(input_ids=inputs, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-        loss.backward()
+        with private.drawing() if private is not None else contextlib.nullcontext():
+            # As worker.train.objective: the forward under bf16 autocast on CUDA, the loss in
+            # float32.
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                logits = model(input_ids=inputs, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizers.muon.step()
         optimizers.adamw.step()
@@ -284,6 +309,65 @@ def bare_tokens_per_s(workflow: Workflow, steps: int, setup: Setup, device: torc
     for _ in range(steps):
         step()
     return steps * setup.tokens / (time.perf_counter() - started)
+
+
+def rng_mode(rounds: int, steps: int, setup: Setup, device: torch.device, dropout: float) -> None:
+    """Print the bare step's tokens/s without and with the private-RNG function mode, in
+    interleaved rounds, and the median ratio (with / without) on a line of its own."""
+    workflow = Workflow.model_validate(
+        {
+            "name": "bench",
+            "model": {"config": setup.model},
+            "tokenizer": "unused",
+            "microbatch_tokens": setup.tokens,
+            "phases": [
+                {
+                    "name": "bench",
+                    "objective": "continued_pretrain",
+                    "data": [{"path": "unused"}],
+                    "sequence_length": setup.sequence_length,
+                    "microbatch_size": setup.microbatch_size,
+                    "steps": steps,
+                }
+            ],
+        }
+    )
+    rows = []
+    for round_index in range(rounds):
+        # Which goes first alternates, so that a drift of the machine falls on both.
+        timed: dict[bool, float] = {}
+        for with_mode in (False, True) if round_index % 2 == 0 else (True, False):
+            private = PrivateRandom(workflow.seed, device) if with_mode else None
+            timed[with_mode] = bare_tokens_per_s(
+                workflow, steps, setup, device, private=private, dropout=dropout
+            )
+        rows.append((timed[False], timed[True], timed[True] / timed[False]))
+    m = setup.model
+    print(
+        f"Private-RNG function mode, {_where(device)}: llama hidden {m['hidden_size']}, "
+        f"{m['num_hidden_layers']} layers, microbatch {setup.microbatch_size} x "
+        f"{setup.sequence_length} tokens, attention dropout {dropout:g}; {rounds} interleaved "
+        f"rounds of {steps} steps of the bare loop, forward and backward without and with "
+        "`PrivateRandom.drawing()`.\n"
+    )
+    print("| round | without the mode tokens/s | with the mode tokens/s | with / without |")
+    print("|---:|---:|---:|---:|")
+    medians = [statistics.median(column) for column in zip(*rows, strict=True)]
+    for label, (plain, mode, ratio) in [
+        *((str(i), row) for i, row in enumerate(rows, start=1)),
+        ("median", medians),
+    ]:
+        print(f"| {label} | {plain:,.0f} | {mode:,.0f} | {ratio:.3f} |")
+    print(
+        f"\nrng mode ratio (tokens/s with / without, median of rounds; below 1: the mode "
+        f"slows the step): {medians[2]:.3f}"
+    )
+
+
+def _where(device: torch.device) -> str:
+    if device.type == "cpu":
+        return f"CPU, {torch.get_num_threads()} torch threads"
+    return f"{torch.cuda.get_device_name(device)}, bf16 autocast"
 
 
 def main() -> None:
@@ -299,6 +383,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
     parser.add_argument("--size", choices=sorted(SIZES), default="demo")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
+    parser.add_argument(
+        "--rng-mode",
+        action="store_true",
+        help="time the bare step with and without the private-RNG function mode instead",
+    )
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout (--rng-mode)")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     device, setup = torch.device(args.device), SIZES[args.size]
@@ -309,6 +399,9 @@ def main() -> None:
         name = torch.cuda.get_device_name(device)
         peak = next((tf for key, tf in PEAK_TFLOPS.items() if key in name), None)
 
+    if args.rng_mode:
+        rng_mode(args.rounds, args.steps, setup, device, args.dropout)
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="trainctl-bench-") as tmp:
         folder = Path(tmp)
@@ -323,13 +416,8 @@ def main() -> None:
             rows.append((ours, ours * fill, bare, ours / bare, ours * fill / bare))
 
     m = setup.model
-    where = (
-        f"CPU, {torch.get_num_threads()} torch threads"
-        if device.type == "cpu"
-        else f"{torch.cuda.get_device_name(device)}, bf16 autocast"
-    )
     print(
-        f"Training throughput, {where}: llama vocab {m['vocab_size']}, hidden "
+        f"Training throughput, {_where(device)}: llama vocab {m['vocab_size']}, hidden "
         f"{m['hidden_size']}, {m['num_hidden_layers']} layers, microbatch "
         f"{setup.microbatch_size} x {setup.sequence_length} tokens, Muon + AdamW; "
         f"{args.rounds} interleaved rounds of {args.steps} steps."
