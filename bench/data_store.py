@@ -10,7 +10,7 @@ that each peak RSS is the process's own:
 - **build**: `worker.data.store.ensure_store` writing the store (reading, parsing, encoding,
   measuring every record, writing the maps), with its peak RSS;
 - **start**: a phase start on the built store: the digest check of the data file
-  (`runtime.digest.digest_path`, the stat cache) and `worker.data.load_phase_data`, then the
+  (`runtime.digest.digest_path`, the stat cache) and `worker.data.batch.load_phase_data`, then the
   first 20 batches read from the maps, with the process's peak RSS;
 - **inspection**: `worker.data.inspect.inspect_file` of the file from its built store, with its peak
   RSS;

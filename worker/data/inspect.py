@@ -1,6 +1,6 @@
 """Dataset inspection: what training would make of a file, before a GPU hour is spent on it.
 
-It reads the token store that training reads (worker.store: the exact tokenizer and the one
+It reads the token store that training reads (worker.data.store: the exact tokenizer and the one
 encoder), so "refused", "trimmed" and the lengths here are what training does, not an
 estimate, and a file of any size is inspected in memory bounded by its per-record columns.
 """

@@ -1,6 +1,6 @@
 """The token store: every data file is tokenized once, then memory-mapped by whoever reads it.
 
-A store holds one file's records as the one encoder (worker.encode) makes them, for one
+A store holds one file's records as the one encoder (worker.data.encode) makes them, for one
 tokenizer, one version of the encoding rules and one fit: the sequence length supervised
 records are fitted to (elastic segments dropped or trimmed), or none for text and for
 measuring. Its name says all four (`StoreKey.name`), so every attempt, phase, run, inspection
@@ -24,6 +24,9 @@ removes once it can prove its builder gone (`_remove_temporaries`), never a live
 A lock file serialises builders of one store on a host (two workers wanting it do not both
 build it); across hosts the rename decides, and the loser opens the winner's store. Opening
 checks `meta.json` against the key and every file's size: cheap, whatever the store's size.
+
+One module of over 450 lines because the format, its reader and its builder change together: a
+field of `RECORD_DTYPE` is written by `_build`, checked by `open_store` and read by `TokenFile`.
 """
 
 from __future__ import annotations
