@@ -1,7 +1,9 @@
-"""The workflow document, the one schema both sides and the docs name: its models, checks and
-plan, all read from here. Imports pydantic and `contracts.bounds` only; it reads no files.
+"""The workflow document, the one schema both sides and the docs name: its models (schema.py),
+the checks of a whole document (validation.py) and its plan (planning.py), all read from here.
+Imports pydantic and `contracts.bounds` only; it reads no files.
 """
 
+from contracts.workflow.planning import PhasePlan, Plan, SourcePlan, plan
 from contracts.workflow.schema import (
     ENCODER_VERSION,
     MAX_DEVICES,
@@ -14,26 +16,24 @@ from contracts.workflow.schema import (
     Name,
     Objective,
     OptimizerSpec,
-    PathKind,
     Phase,
-    PhasePlan,
-    Plan,
     PositiveInt,
-    Problem,
     Resources,
     Role,
     Schedule,
     SourceGeometry,
-    SourcePlan,
     Workflow,
-    WorkflowInvalid,
     defaults_written_out,
+    name_defaults_to_task,
+    perplexity,
+)
+from contracts.workflow.validation import (
+    PathKind,
+    Problem,
+    WorkflowInvalid,
     devices_refusal,
     json_path,
-    name_defaults_to_task,
     path_fields,
-    perplexity,
-    plan,
     replace_paths,
     validate_workflow,
 )
