@@ -45,6 +45,22 @@ def json_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
     return out or "$"
 
 
+def _objects(value: Any) -> list[tuple[int, dict[str, Any]]]:
+    """The objects of a list in a raw document, with their indices; nothing when `value` is not
+    a list (the schema reports that, and any entry that is not an object)."""
+    items = value if isinstance(value, list) else []
+    return [(i, item) for i, item in enumerate(items) if isinstance(item, dict)]
+
+
+def _earlier(seen: dict[str, int], name: Any, index: int) -> int | None:
+    """Where `name` was first seen, or None when `index` is its first use (noted in `seen`);
+    a name that is not a string is the schema's to report."""
+    if not isinstance(name, str):
+        return None
+    first = seen.setdefault(name, index)
+    return None if first == index else first
+
+
 def _pydantic_problems(err: ValidationError, prefix: tuple[int | str, ...] = ()) -> list[Problem]:
     problems = []
     for e in err.errors():
@@ -80,16 +96,11 @@ def path_fields(doc: dict[str, Any]) -> list[tuple[tuple[int | str, ...], str, P
     if isinstance(model, dict):
         add(("model", "pretrained"), model.get("pretrained"), "directory")
     add(("tokenizer",), doc.get("tokenizer"), "path")
-    phases = doc.get("phases")
-    for i, phase in enumerate(phases if isinstance(phases, list) else []):
-        data = phase.get("data") if isinstance(phase, dict) else None
-        for j, source in enumerate(data if isinstance(data, list) else []):
-            if isinstance(source, dict):
-                add(("phases", i, "data", j, "path"), source.get("path"), "file")
-    evals = doc.get("evals")
-    for k, spec in enumerate(evals if isinstance(evals, list) else []):
-        if isinstance(spec, dict):
-            add(("evals", k, "data"), spec.get("data"), "file")
+    for i, phase in _objects(doc.get("phases")):
+        for j, source in _objects(phase.get("data")):
+            add(("phases", i, "data", j, "path"), source.get("path"), "file")
+    for k, spec in _objects(doc.get("evals")):
+        add(("evals", k, "data"), spec.get("data"), "file")
     return found
 
 
@@ -176,23 +187,16 @@ def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
                 add(Problem(path="model.config.vocab_size", message="is required (an integer)"))
             max_positions = cfg.get("max_position_embeddings")
 
-    raw_phases = doc.get("phases")
-    phases = raw_phases if isinstance(raw_phases, list) else []
     seen: dict[str, int] = {}
-    for i, raw in enumerate(phases):
-        if not isinstance(raw, dict):
-            continue
+    for i, raw in _objects(doc.get("phases")):
         name = raw.get("name")
-        if isinstance(name, str):
-            if name in seen:
-                add(
-                    Problem(
-                        path=f"phases[{i}].name",
-                        message=f"duplicate phase name {name!r} (also phases[{seen[name]}])",
-                    )
+        if (first := _earlier(seen, name, i)) is not None:
+            add(
+                Problem(
+                    path=f"phases[{i}].name",
+                    message=f"duplicate phase name {name!r} (also phases[{first}])",
                 )
-            else:
-                seen[name] = i
+            )
         seq, mbs = raw.get("sequence_length"), raw.get("microbatch_size")
         problems += _geometry_problems(f"phases[{i}]", seq, mbs, envelope, max_positions)
         objective = raw.get("objective")
@@ -229,52 +233,41 @@ def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
                         message=f"warmup of {warmup} steps is longer than the phase ({steps})",
                     )
                 )
-        raw_data = raw.get("data")
-        data = raw_data if isinstance(raw_data, list) else []
         names: dict[str, int] = {}
-        for j, source in enumerate(data):
-            if not isinstance(source, dict):
-                continue
+        for j, source in _objects(raw.get("data")):
             where = f"phases[{i}].data[{j}]"
             path = source.get("path")
             name = source.get("name") or (stem(path) if isinstance(path, str) else None)
-            if isinstance(name, str):
-                if name in names:
-                    add(
-                        Problem(
-                            path=f"{where}.name",
-                            message=(
-                                f"duplicate source name {name!r} (also data[{names[name]}]); "
-                                'give each source a distinct "name"'
-                            ),
-                        )
+            if (first := _earlier(names, name, j)) is not None:
+                add(
+                    Problem(
+                        path=f"{where}.name",
+                        message=(
+                            f"duplicate source name {name!r} (also data[{first}]); "
+                            'give each source a distinct "name"'
+                        ),
                     )
-                names.setdefault(name, j)
+                )
             if "sequence_length" not in source and "microbatch_size" not in source:
                 continue  # the phase's geometry, checked above
             s_seq = source.get("sequence_length", seq)
             s_mbs = source.get("microbatch_size", mbs)
             problems += _geometry_problems(where, s_seq, s_mbs, envelope, max_positions)
 
-    raw_evals = doc.get("evals")
-    evals = raw_evals if isinstance(raw_evals, list) else []
     set_names: dict[str, int] = {}
-    for k, ev in enumerate(evals):
-        set_name = (ev.get("name") or ev.get("task")) if isinstance(ev, dict) else None
-        if isinstance(set_name, str):
-            if set_name in set_names:
-                add(
-                    Problem(
-                        path=f"evals[{k}].name",
-                        message=(
-                            f"duplicate eval set name {set_name!r} (also "
-                            f"evals[{set_names[set_name]}]); results are stored by name, so "
-                            'give each set of one task a distinct "name"'
-                        ),
-                    )
+    for k, ev in _objects(doc.get("evals")):
+        set_name = ev.get("name") or ev.get("task")
+        if (first := _earlier(set_names, set_name, k)) is not None:
+            add(
+                Problem(
+                    path=f"evals[{k}].name",
+                    message=(
+                        f"duplicate eval set name {set_name!r} (also evals[{first}]); results "
+                        'are stored by name, so give each set of one task a distinct "name"'
+                    ),
                 )
-            set_names.setdefault(set_name, k)
-        e_seq = ev.get("sequence_length") if isinstance(ev, dict) else None
+            )
+        e_seq = ev.get("sequence_length")
         if isinstance(max_positions, int) and isinstance(e_seq, int) and e_seq > max_positions:
             add(
                 Problem(
