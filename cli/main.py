@@ -12,10 +12,10 @@ import os
 
 import typer
 
+from cli.data import data_app, eval_checkpoint
 from cli.launcher import demo, serve, up, worker
 from cli.runs import runs_app
 from cli.tokens import tokens_app
-from cli.tools import data_app, eval_checkpoint
 from cli.workers import workers_list
 from cli.workflow import workflow_app
 

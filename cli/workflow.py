@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from cli.common import EXIT_BAD_INPUT, JsonOpt, console, err_console, load_workflow
-from cli.tools import plan_table
+from cli.data import plan_table
 
 workflow_app = typer.Typer(help="Check workflow documents.", no_args_is_help=True)
 
