@@ -12,7 +12,8 @@ import os
 
 import typer
 
-from cli.data import data_app, eval_checkpoint
+from cli.data import data_app
+from cli.eval import eval_checkpoint
 from cli.launcher import demo, serve, up, worker
 from cli.runs import runs_app
 from cli.tokens import tokens_app
