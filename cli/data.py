@@ -10,15 +10,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from cli.common import EXIT_BAD_INPUT, EXIT_FAILED, JsonOpt, call, console, err_console, fail
+from cli.common import EXIT_FAILED, JsonOpt, call, console, err_console, fail
 from cli.job import (
     Objective,
     RemoteOpt,
     TimeoutOpt,
     job_path,
+    job_result,
     local,
-    local_store_root,
-    wait_for_job,
+    local_stores,
 )
 
 data_app = typer.Typer(help="Look at data files the way training will.", no_args_is_help=True)
@@ -69,20 +69,16 @@ def data_inspect(
         if write_fit is not None:
             raise fail("--write-fit writes a local file; run without --remote", 2)
         job = call("POST", "/datasets/inspect", json=request.model_dump())
-        job = wait_for_job(f"/datasets/inspections/{job['id']}", timeout=timeout)
-        if job["status"] == "failed":  # the file or the request: bad input, as run locally
-            raise fail(f"inspection {job['id']} failed: {job.get('error')}", EXIT_BAD_INPUT)
-        report = InspectionReport.model_validate(job["result"])
+        result = job_result(
+            f"/datasets/inspections/{job['id']}", f"inspection {job['id']}", timeout=timeout
+        )
+        report = InspectionReport.model_validate(result)
     else:
         from worker.inspect import inspect_file
-        from worker.model import load_tokenizer
-        from worker.store import Stores
 
         report = local(
             lambda: inspect_file(
-                request,
-                write_fit=write_fit,
-                stores=Stores(local_store_root(), load_tokenizer(request.tokenizer)),
+                request, write_fit=write_fit, stores=local_stores(request.tokenizer)
             )
         )
     if as_json:
@@ -117,19 +113,14 @@ def data_prepare(
     )
     if remote:
         job = call("POST", "/datasets/prepare", json=request.model_dump())
-        job = wait_for_job(f"/datasets/preparations/{job['id']}", timeout=timeout)
-        if job["status"] == "failed":  # the file or the request: bad input, as run locally
-            raise fail(f"preparation {job['id']} failed: {job.get('error')}", EXIT_BAD_INPUT)
-        prepared = PreparedStore.model_validate(job["result"])
-    else:
-        from worker.model import load_tokenizer
-        from worker.store import Stores, prepare_file
-
-        prepared = local(
-            lambda: prepare_file(
-                request, Stores(local_store_root(), load_tokenizer(request.tokenizer))
-            )
+        result = job_result(
+            f"/datasets/preparations/{job['id']}", f"preparation {job['id']}", timeout=timeout
         )
+        prepared = PreparedStore.model_validate(result)
+    else:
+        from worker.store import prepare_file
+
+        prepared = local(lambda: prepare_file(request, local_stores(request.tokenizer)))
     if as_json:
         print(prepared.model_dump_json(indent=2))
         return

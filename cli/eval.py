@@ -17,9 +17,9 @@ from cli.job import (
     RemoteOpt,
     TimeoutOpt,
     job_path,
+    job_result,
     local,
     local_store_root,
-    wait_for_job,
 )
 
 
@@ -89,14 +89,10 @@ def eval_checkpoint(
         jobs = [call("POST", "/evaluations", json=r.model_dump()) for r in requests]
         results = []
         for request, job in zip(requests, jobs, strict=True):
-            job = wait_for_job(f"/evaluations/{job['id']}", timeout=timeout)
-            if job["status"] == "failed":
-                name = request.name or request.task
-                raise fail(
-                    f"evaluation {job['id']} of eval set {name!r} failed: {job.get('error')}",
-                    EXIT_BAD_INPUT,
-                )
-            results.append(EvalResult.model_validate(job["result"]))
+            name = request.name or request.task
+            what = f"evaluation {job['id']} of eval set {name!r}"
+            result = job_result(f"/evaluations/{job['id']}", what, timeout=timeout)
+            results.append(EvalResult.model_validate(result))
     else:
         from worker.evaluate import evaluate_checkpoint_sets
 

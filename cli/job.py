@@ -50,6 +50,14 @@ def local_store_root() -> Path:
     return store_root(WorkerSettings().artifact_root)
 
 
+def local_stores(tokenizer: str) -> Any:
+    """The token stores under `local_store_root` of files encoded with `tokenizer`."""
+    from worker.model import load_tokenizer
+    from worker.store import Stores
+
+    return Stores(local_store_root(), load_tokenizer(tokenizer))
+
+
 def wait_for_job(path: str, *, timeout: float, poll: float = 0.5) -> dict[str, Any]:
     """Poll a job (`/datasets/inspections/<id>`, `/datasets/preparations/<id>`,
     `/evaluations/<id>`) until it finishes."""
@@ -61,6 +69,15 @@ def wait_for_job(path: str, *, timeout: float, poll: float = 0.5) -> dict[str, A
         if time.monotonic() > deadline:
             raise fail(f"{path} still {job['status']} after {timeout:.0f} s", EXIT_FAILED)
         time.sleep(poll)
+
+
+def job_result(path: str, what: str, *, timeout: float) -> Any:
+    """A job's result once it finished (`wait_for_job`). A failed job failed on the file or the
+    request: bad input (exit 2), as it is run here; `what` names it in the message."""
+    job = wait_for_job(path, timeout=timeout)
+    if job["status"] == "failed":
+        raise fail(f"{what} failed: {job.get('error')}", EXIT_BAD_INPUT)
+    return job["result"]
 
 
 def local(action: Callable[[], Any]) -> Any:
