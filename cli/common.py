@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -12,6 +12,9 @@ from rich.markup import escape
 
 from cli.client import ApiClient, ApiError
 from cli.config import get_settings
+
+if TYPE_CHECKING:
+    from contracts.workflow import WorkflowInvalid
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_API = 1, 2, 3
 
@@ -31,6 +34,13 @@ def fail(message: str, code: int) -> typer.Exit:
     # Escaped: messages quote user input and codes in brackets, which are not markup.
     err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     return typer.Exit(code)
+
+
+def refuse_workflow(path: Path, err: WorkflowInvalid) -> typer.Exit:
+    """Print every problem of the workflow file at `path`, one a line; the exit (2) to raise."""
+    for problem in err.problems:
+        err_console.print(f"[red]{path}[/red] {problem.path}: {problem.message}")
+    return typer.Exit(EXIT_BAD_INPUT)
 
 
 def call(method: str, path: str, **kwargs: Any) -> Any:

@@ -11,7 +11,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from cli.common import EXIT_BAD_INPUT, JsonOpt, call, console, err_console, fail, load_workflow
+from cli.common import (
+    EXIT_BAD_INPUT,
+    JsonOpt,
+    call,
+    console,
+    fail,
+    load_workflow,
+    refuse_workflow,
+)
 from cli.job import (
     Objective,
     RemoteOpt,
@@ -129,9 +137,7 @@ def _workflow_requests(
         # evaluated, and the training data need not be there at all.
         spec = validate_workflow(load_workflow(path))
     except WorkflowInvalid as err:
-        for problem in err.problems:
-            err_console.print(f"[red]{path}[/red] {problem.path}: {problem.message}")
-        raise typer.Exit(EXIT_BAD_INPUT) from err
+        raise refuse_workflow(path, err) from err
     if not spec.evals:
         raise fail(f"{path}: the workflow has no eval sets (evals)", EXIT_BAD_INPUT)
     return [

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from cli.common import EXIT_BAD_INPUT, JsonOpt, console, err_console, load_workflow
+from cli.common import JsonOpt, console, load_workflow, refuse_workflow
 
 workflow_app = typer.Typer(help="Check workflow documents.", no_args_is_help=True)
 
@@ -25,9 +25,7 @@ def workflow_validate(
     try:
         result = plan(validate_workflow_with_files(load_workflow(path)))
     except WorkflowInvalid as err:
-        for problem in err.problems:
-            err_console.print(f"[red]{path}[/red] {problem.path}: {problem.message}")
-        raise typer.Exit(EXIT_BAD_INPUT) from err
+        raise refuse_workflow(path, err) from err
     if as_json:
         print(result.model_dump_json(indent=2))
         return
