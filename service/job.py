@@ -33,7 +33,7 @@ from contracts.paths import DataRoots, PathUse
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
-from service.checkpoint import check_run_folders, stored_checkpoint
+from service.checkpoints.source import check_run_folders, stored_checkpoint
 from service.db import database_now, rowcount
 from service.errors import ApiError, not_found, validation_details
 from service.models import Job, OutboxMessage, new_job_id, utcnow
@@ -143,7 +143,8 @@ def resolve_evaluate(
     not exist, and `tokenizer` when it is omitted and the checkpoint directory holds none.
     With `session`, every file in a run's folder of the artifact store must be of a run
     `owner_id` (the caller's scope) may see (404 `run_not_found` otherwise), and a checkpoint
-    there that run's registered checkpoint directory (service.checkpoint.stored_checkpoint)."""
+    there that run's registered checkpoint directory
+    (service.checkpoints.source.stored_checkpoint)."""
     tokenizer = request.tokenizer
     resolved = request.model_copy(
         update={

@@ -36,7 +36,7 @@ from contracts.reports import (
     HeartbeatAnswer,
 )
 from contracts.signature import Digests
-from service.checkpoint import USABLE
+from service.checkpoints.registry import USABLE
 from service.db import database_now, rowcount
 from service.errors import ApiError, not_found
 from service.lifecycle import (

@@ -26,7 +26,7 @@ from contracts.reports import (
     MetricBatch,
 )
 from contracts.reports import MetricPoint as ReportedPoint
-from service.checkpoint import CHECKPOINTS_DIR, pins
+from service.checkpoints.registry import CHECKPOINTS_DIR, pins
 from service.db import insert_for
 from service.errors import ApiError
 from service.lease import fence

@@ -185,7 +185,7 @@ def resume_run(
     the grad_accum of the phases still to run (422 `invalid_devices`), becomes the run's
     device count: the new attempt and every later one run on it. It is not signed, so a
     different count is never a signature mismatch. With `owner_id` (the caller's scope),
-    another owner's run is never a source of weights (service.checkpoint.source_run)."""
+    another owner's run is never a source of weights (service.checkpoints.source.source_run)."""
     run = get_run(session=session, run_id=run_id)
     spec, initial = resume_inputs(
         session=session,

@@ -22,13 +22,9 @@ from contracts.signature import Digests, Signature, canonical_json, compute_sign
 from contracts.workflow import Plan, plan
 from contracts.workflow import Workflow as WorkflowSpec
 from runtime.path import resolve_path
-from service.checkpoint import (
-    USABLE,
-    checkpoint_problem,
-    refusal,
-    source_checkpoint,
-    stored_checkpoint,
-)
+from service.checkpoints.registry import USABLE
+from service.checkpoints.source import refusal, source_checkpoint, stored_checkpoint
+from service.checkpoints.weights import checkpoint_problem
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.fleet import LiveCapacity, largest_live_worker
@@ -108,7 +104,7 @@ def resolve_initial_checkpoint(
 ) -> InitialCheckpoint:
     """A local path (relative to data_root), or another run's usable checkpoint at a step:
     `{"run", "step"}`, or a path into that run's folder of the artifact store (`roots`), taken
-    as that reference. Another run's is checked by service.checkpoint.source_checkpoint: 404
+    as that reference. Another run's is checked by service.checkpoints.source.source_checkpoint: 404
     `run_not_found` when the run does not exist or, with `owner_id` (the caller's scope), is
     another owner's; 422 `invalid_initial_checkpoint` naming the steps it has when it has none
     usable at that step. Its row stays locked until the caller commits: the run that names it
@@ -145,7 +141,7 @@ def check_initial_checkpoint(
     """422 `path_outside_data_roots` when the checkpoint resolves outside `roots` (a
     checkpoint may also lie in the artifact store's runs/); 422 `invalid_initial_checkpoint`
     when it is no safetensors file or save_pretrained directory whose tensors fit `spec`'s
-    model, naming the file and what is wrong (service.checkpoint.checkpoint_problem)."""
+    model, naming the file and what is wrong (service.checkpoints.weights.checkpoint_problem)."""
     if roots is not None and (
         refused := outside_roots(
             [("initial_checkpoint", initial.path, "checkpoint")], roots, where="initial_checkpoint"

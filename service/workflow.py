@@ -13,7 +13,7 @@ from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import WorkflowInvalid, json_path, path_fields, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
-from service.checkpoint import check_run_folders, stored_checkpoint
+from service.checkpoints.source import check_run_folders, stored_checkpoint
 from service.db import insert_for
 from service.errors import ApiError, not_found
 from service.models import Workflow, WorkflowOwner, utcnow
@@ -70,7 +70,7 @@ def parse_workflow(
     the files it names. 422 `path_outside_data_roots` when a file resolves outside `roots`
     (default: `data_root` alone), before anything about the files is looked at; with
     `session`, a file in a run's folder of the artifact store only of a run `owner_id` may see
-    (404 `run_not_found`, service.checkpoint.check_run_folders), and a pretrained directory
+    (404 `run_not_found`, service.checkpoints.source.check_run_folders), and a pretrained directory
     there then as `stored_pretrained`; 422 `invalid_workflow` lists every other problem as
     `{path, message}`."""
     if isinstance(doc, dict):
@@ -100,10 +100,10 @@ def stored_pretrained(
 ) -> dict[str, Any]:
     """A (resolved) document whose `model.pretrained` lies in a run's folder of the artifact
     store, naming that run's registered checkpoint by its registered path (the path that pins
-    it, service.checkpoint.pins), its row locked until the caller commits; 404 `run_not_found`
-    for a run `owner_id` (the caller's scope) may not see, 422 `invalid_workflow` for no
-    usable checkpoint there (service.checkpoint.stored_checkpoint). Any other document as it
-    is."""
+    it, service.checkpoints.registry.pins), its row locked until the caller commits; 404
+    `run_not_found` for a run `owner_id` (the caller's scope) may not see, 422
+    `invalid_workflow` for no usable checkpoint there
+    (service.checkpoints.source.stored_checkpoint). Any other document as it is."""
     model = doc.get("model")
     pretrained = model.get("pretrained") if isinstance(model, dict) else None
     if not isinstance(pretrained, str):

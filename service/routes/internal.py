@@ -35,7 +35,7 @@ from contracts.reports import (
     HeartbeatAnswer,
     MetricBatch,
 )
-from service.checkpoint import pinned_steps
+from service.checkpoints.registry import pinned_steps
 from service.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
 from service.errors import PayloadTooLarge, answer_json, error_body
 from service.fleet import note_attempt_worker, note_worker

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT
 from service import access, audit
-from service.checkpoint import CheckpointFilter, list_checkpoints
+from service.checkpoints.registry import CheckpointFilter, list_checkpoints
 from service.compare import compare_runs
 from service.control import cancel_run, pause_run
 from service.deps import (
