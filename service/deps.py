@@ -16,6 +16,7 @@ from service.auth import find_token
 from service.dispatch import OutboxPump
 from service.errors import ApiError
 from service.models import ApiToken, Run
+from service.run import run_for
 from service.series import MAX_SERIES_PER_READ
 from service.settings import ServiceSettings
 
@@ -118,7 +119,7 @@ AnyTokenDep = Annotated[ApiToken, Depends(require_token)]
 
 def load_run(run_id: str, session: SessionDep, token: ApiTokenDep) -> Run:
     """The run, or 404 when it does not exist or the caller may not see it."""
-    return access.run_for(session, token, run_id)
+    return run_for(session, token, run_id)
 
 
 RunDep = Annotated[Run, Depends(load_run)]

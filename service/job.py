@@ -33,11 +33,11 @@ from contracts.paths import DataRoots, PathUse
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
+from service.access import can_see, outside_roots
 from service.checkpoints.source import check_run_folders, stored_checkpoint
 from service.db import database_now, rowcount
 from service.errors import ApiError, not_found, validation_details
-from service.models import Job, OutboxMessage, new_job_id, utcnow
-from service.workflow import outside_roots
+from service.models import ApiToken, Job, OutboxMessage, new_job_id, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,14 @@ def get_job(*, session: Session, job_id: str, kind: JobKind | None = None) -> Jo
         raise not_found(kind, job_id, PUBLIC[kind][1])
     if job is None:
         raise not_found("job", job_id, "drop this message: no such job exists")
+    return job
+
+
+def job_for(session: Session, token: ApiToken, job_id: str, kind: str) -> Job:
+    """The job of `kind`, or its 404 when it does not exist or `token` may not see it."""
+    job = get_job(session=session, job_id=job_id, kind=kind)  # type: ignore[arg-type]
+    if not can_see(token, job.owner_id):
+        raise not_found(kind, job_id, PUBLIC[kind][1])
     return job
 
 

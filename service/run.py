@@ -22,6 +22,7 @@ from contracts.signature import Digests, Signature, canonical_json, compute_sign
 from contracts.workflow import Plan, plan
 from contracts.workflow import Workflow as WorkflowSpec
 from runtime.path import resolve_path
+from service.access import can_see, outside_roots
 from service.checkpoints.registry import USABLE
 from service.checkpoints.source import refusal, source_checkpoint, stored_checkpoint
 from service.checkpoints.weights import checkpoint_problem
@@ -29,7 +30,7 @@ from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.fleet import LiveCapacity, largest_live_worker
 from service.lifecycle import AttemptStatus, RunStatus, add_attempt, budget_use, recovery_seconds
-from service.models import Attempt, Checkpoint, Run, RunTag, new_run_id, utcnow
+from service.models import ApiToken, Attempt, Checkpoint, Run, RunTag, new_run_id, utcnow
 from service.schemas import (
     AttemptPublic,
     CheckpointOf,
@@ -42,7 +43,6 @@ from service.schemas import (
 from service.workflow import (
     add_workflow_owner,
     get_workflow,
-    outside_roots,
     parse_workflow,
     save_workflow,
     stored_pretrained,
@@ -322,6 +322,15 @@ def get_run(*, session: Session, run_id: str) -> Run:
     if run is None:
         raise not_found("run", run_id, "list runs with GET /runs")
     return run
+
+
+def run_for(session: Session, token: ApiToken, run_id: str) -> Run:
+    """The run, or 404 `run_not_found` when it does not exist or `token` may not see it (the
+    same answer in both cases)."""
+    run = session.get(Run, run_id)
+    if run is None or not can_see(token, run.owner_id):
+        raise not_found("run", run_id, "list runs with GET /runs")
+    return get_run(session=session, run_id=run_id)
 
 
 class RunsCursor(NamedTuple):

@@ -13,40 +13,12 @@ from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import WorkflowInvalid, json_path, path_fields, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
+from service.access import outside_roots
 from service.checkpoints.source import check_run_folders, stored_checkpoint
 from service.db import insert_for
 from service.errors import ApiError, not_found
 from service.models import Workflow, WorkflowOwner, utcnow
 from service.schemas import WorkflowPublic
-
-
-def outside_roots(
-    fields: list[tuple[str, str, PathUse]], roots: DataRoots, *, where: str
-) -> ApiError | None:
-    """422 `path_outside_data_roots` naming each (JSON path, resolved path) of `fields` that
-    `roots` refuses, with the path and the roots in its details; None when all may be read."""
-    problems = [
-        {
-            "path": field,
-            "message": why,
-            "value": value,
-            "roots": [str(r) for r in roots.allowed(use)],
-        }
-        for field, value, use in fields
-        if (why := roots.refusal(value, use))
-    ]
-    if not problems:
-        return None
-    summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
-    if len(problems) > 3:
-        summary += f" (and {len(problems) - 3} more)"
-    return ApiError(
-        422,
-        "path_outside_data_roots",
-        f"{where}: {summary}; put the files under a data root, or have the operator add "
-        "their folder to TRAINCTL_DATA_ROOTS",
-        problems,
-    )
 
 
 def workflow_path_fields(doc: dict[str, Any]) -> list[tuple[str, str, PathUse]]:

@@ -51,7 +51,7 @@ from service.deps import Credentials, MetricNamesDep, authenticate
 from service.errors import is_retryable
 from service.lifecycle import FINISHED_RUN, phase_start
 from service.models import Attempt, Checkpoint, EvalResult, MetricPoint, Run
-from service.run import get_run, run_public
+from service.run import get_run, run_for, run_public
 from service.series import EVAL_COLUMNS, eval_point, json_float, series_names
 
 log = logging.getLogger(__name__)
@@ -336,7 +336,7 @@ def read_events(
         token = authenticate(session, credentials, request)
         if (refused := access.role_refusal(token, "GET", request.url.path)) is not None:
             raise refused
-        access.run_for(session, token, run_id)
+        run_for(session, token, run_id)
     assert credentials is not None  # authenticate answered 401 without
     stream = RunEvents(
         run_id=run_id,

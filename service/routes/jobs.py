@@ -22,6 +22,7 @@ from service.job import (
     PUBLIC,
     create_job,
     finish_job,
+    job_for,
     job_public,
     resolve_dataset,
     resolve_evaluate,
@@ -73,7 +74,7 @@ def inspect_dataset(
 
 @public.get("/datasets/inspections/{job_id}")
 def read_inspection(job_id: str, session: SessionDep, token: ApiTokenDep) -> JobPublic:
-    return job_public(access.job_for(session, token, job_id, "inspection"))
+    return job_public(job_for(session, token, job_id, "inspection"))
 
 
 @public.post("/datasets/prepare", status_code=status.HTTP_202_ACCEPTED)
@@ -105,7 +106,7 @@ def prepare_dataset(
 
 @public.get("/datasets/preparations/{job_id}")
 def read_preparation(job_id: str, session: SessionDep, token: ApiTokenDep) -> JobPublic:
-    return job_public(access.job_for(session, token, job_id, "preparation"))
+    return job_public(job_for(session, token, job_id, "preparation"))
 
 
 @public.post("/evaluations", status_code=status.HTTP_202_ACCEPTED)
@@ -136,7 +137,7 @@ def evaluate_checkpoint(
 
 @public.get("/evaluations/{job_id}")
 def read_evaluation(job_id: str, session: SessionDep, token: ApiTokenDep) -> JobPublic:
-    return job_public(access.job_for(session, token, job_id, "evaluation"))
+    return job_public(job_for(session, token, job_id, "evaluation"))
 
 
 @internal.post("/{job_id}/start")

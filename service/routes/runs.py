@@ -36,7 +36,15 @@ from service.export import evals_csv, metrics_csv
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
 from service.resume import resume_run
-from service.run import RunsCursor, create_run, list_runs, run_public, runs_public, update_run
+from service.run import (
+    RunsCursor,
+    create_run,
+    list_runs,
+    run_for,
+    run_public,
+    runs_public,
+    update_run,
+)
 from service.schemas import (
     MAX_COMPARED,
     MAX_RUNS_PAGE,
@@ -197,7 +205,7 @@ def compare(
     repeated = sorted({i for i in wanted if wanted.count(i) > 1})
     if repeated:
         raise _query_error("ids", f"names run(s) {', '.join(repeated)} more than once")
-    runs = [access.run_for(session, token, run_id) for run_id in wanted]
+    runs = [run_for(session, token, run_id) for run_id in wanted]
     return compare_runs(session=session, runs=runs)
 
 
