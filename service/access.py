@@ -6,7 +6,7 @@ Roles (ApiToken.role):
   job answers 404 on every route that takes its id, as if it did not exist, and lists show
   only its own.
 - `viewer`: reads everything (GET), changes nothing: every other method is 403.
-- `worker`: `/internal/...` only (service.lease scopes it further to what it claimed).
+- `worker`: `/internal/...` only (service.workers.lease scopes it further to what it claimed).
 
 A run or job records its owner, the id of the token that created it: the authenticated token
 rides on the request's session (`set_actor`), and a `before_flush` hook stamps it on every new
@@ -17,7 +17,7 @@ Ownership is by token id, which rotation keeps: a rotated token keeps its runs.
 Workflows are content-addressed, so they are owned by a relation (models.WorkflowOwner): every
 token that stored or ran one; a user sees those (service.workflow.get_workflow with
 `owner_filter`). Functions below the routes take that filter as `owner_id`, as list_runs does,
-and load one row for a token with `can_see` (service.run.run_for, service.job.job_for).
+and load one row for a token with `can_see` (service.run.run_for, service.workers.job.job_for).
 
 Paths: every path a request names must resolve inside the data roots (TRAINCTL_DATA_ROOTS);
 `outside_roots` names each one that does not. A path into a run's folder of the artifact store

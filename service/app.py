@@ -11,10 +11,8 @@ from fastapi import FastAPI
 
 from service import observability
 from service.db import make_engine, make_session_factory
-from service.dispatch import OutboxPump, make_celery
 from service.errors import RefuseNul, RequestBodyLimit, install_error_handlers
 from service.observability import MetricsMiddleware, Observability
-from service.reaper import Reaper
 from service.routes import (
     audit,
     dashboard,
@@ -28,6 +26,8 @@ from service.routes import (
     workflows,
 )
 from service.settings import ServiceSettings
+from service.workers.dispatch import OutboxPump, make_celery
+from service.workers.reaper import Reaper
 
 
 def create_app(settings: ServiceSettings | None = None) -> FastAPI:

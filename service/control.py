@@ -13,7 +13,6 @@ from sqlalchemy.orm import Session
 
 from service.db import database_now
 from service.errors import ApiError
-from service.lease import expire_attempt, lease_expired
 from service.lifecycle import (
     FINISHED_RUN,
     AttemptStatus,
@@ -25,6 +24,7 @@ from service.lifecycle import (
 )
 from service.models import Attempt, Run, utcnow
 from service.run import get_run
+from service.workers.lease import expire_attempt, lease_expired
 
 
 def _lock(session: Session, run_id: str) -> tuple[Run, Attempt | None]:
@@ -71,7 +71,7 @@ def pause_run(*, session: Session, run_id: str, judge_leases: bool = True) -> Ru
     """Pause a run: a queued attempt is superseded and the run is `paused` at once; a running
     one is asked to pause (`pause_requested_at`) and the run becomes `paused` when its worker
     finishes `paused` (or, when its lease already lapsed, at once). Without `judge_leases`
-    (the service could not hear its workers lately: service.reaper.Reaper.hearing) a lapsed
+    (the service could not hear its workers lately: service.workers.reaper.Reaper.hearing) a lapsed
     lease is not taken for a dead worker: the pause is requested, and the reaper settles it.
     Repeating it changes nothing. 409 `run_finished` for a finished run. Commits."""
     run, current = _lock(session, run_id)

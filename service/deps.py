@@ -13,12 +13,12 @@ from sqlalchemy.orm import Session
 from contracts.bounds import MAX_NAME
 from service import access
 from service.auth import find_token
-from service.dispatch import OutboxPump
 from service.errors import ApiError
 from service.models import ApiToken, Run
 from service.run import run_for
 from service.series import MAX_SERIES_PER_READ
 from service.settings import ServiceSettings
+from service.workers.dispatch import OutboxPump
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -39,7 +39,7 @@ def get_pump(request: Request) -> OutboxPump:
 
 
 def leases_heard(request: Request) -> bool:
-    """Whether this process may judge a lease by its expiry now (service.reaper.Reaper)."""
+    """Whether this process may judge a lease by its expiry now (service.workers.reaper.Reaper)."""
     heard: bool = request.app.state.reaper.hearing()
     return heard
 

@@ -18,7 +18,6 @@ from contracts.workflow import devices_refusal
 from service.db import database_now
 from service.digest import resolve_digests
 from service.errors import ApiError
-from service.lease import digests_of, expire_attempt, is_active
 from service.lifecycle import (
     AttemptStatus,
     RunStatus,
@@ -36,6 +35,7 @@ from service.run import (
     sign_run,
 )
 from service.schemas import RunResume
+from service.workers.lease import digests_of, expire_attempt, is_active
 from service.workflow import get_workflow, parse_workflow
 
 
@@ -236,7 +236,7 @@ def resume_run(
             _refuse(session, _run_active(run, current))
         if current.status == AttemptStatus.RUNNING and not judge_leases:
             # The service could not hear its workers lately: a lapsed lease proves nothing
-            # until the reaper's grace has run (service.reaper.Reaper.hearing).
+            # until the reaper's grace has run (service.workers.reaper.Reaper.hearing).
             _refuse(session, _run_active(run, current))
         if current.status == AttemptStatus.RUNNING and not expire_attempt(
             session=session, attempt=current, now=now

@@ -28,7 +28,6 @@ from service.checkpoints.source import refusal, source_checkpoint, stored_checkp
 from service.checkpoints.weights import checkpoint_problem
 from service.digest import resolve_digests
 from service.errors import ApiError, not_found
-from service.fleet import LiveCapacity, largest_live_worker
 from service.lifecycle import AttemptStatus, RunStatus, add_attempt, budget_use, recovery_seconds
 from service.models import ApiToken, Attempt, Checkpoint, Run, RunTag, new_run_id, utcnow
 from service.schemas import (
@@ -40,6 +39,7 @@ from service.schemas import (
     RunPublic,
     RunUpdate,
 )
+from service.workers.fleet import LiveCapacity, largest_live_worker
 from service.workflow import (
     add_workflow_owner,
     get_workflow,
@@ -525,7 +525,7 @@ def _devices(count: int) -> str:
 
 def waiting_reason(attempt: Attempt, capacity: LiveCapacity | None, *, queue: str) -> str | None:
     """Why no live worker can take a queued attempt, in a sentence; None when one can.
-    `capacity`: the largest live worker of `queue` (service.fleet.largest_live_worker)."""
+    `capacity`: the largest live worker of `queue` (service.workers.fleet.largest_live_worker)."""
     if capacity is None:
         return (
             f"no live worker has been seen: none of queue {queue!r} was heard from within the "

@@ -13,7 +13,7 @@ succeeded, and as long as it has no usable checkpoint of its own (a failed or ca
 may be resumed; a resume starts from the run's own latest checkpoint when it has one, and only
 otherwise from the initial checkpoint, which the worker then hashes again). The answer to each
 registration carries the run's pinned steps and worker retention keeps them; a report that a
-pinned checkpoint was deleted is refused (409 `checkpoint_pinned`, service.report
+pinned checkpoint was deleted is refused (409 `checkpoint_pinned`, service.workers.report
 .remove_checkpoint), so the registry never says "deleted" of what a run still needs.
 """
 
@@ -29,7 +29,7 @@ from service.lifecycle import RunStatus
 from service.models import Checkpoint, Run, Workflow
 
 USABLE: Final = "usable"
-# The directory a checkpoint of step N lies in, in its run's folder (service.report
+# The directory a checkpoint of step N lies in, in its run's folder (service.workers.report
 # .checkpoint_path_of): `checkpoints/step-NNNNNNNN`.
 CHECKPOINTS_DIR: Final = "checkpoints"
 # What GET /runs/{id}/checkpoints lists: one status, or every checkpoint ever registered.

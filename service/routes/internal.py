@@ -38,17 +38,17 @@ from contracts.reports import (
 from service.checkpoints.registry import pinned_steps
 from service.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
 from service.errors import PayloadTooLarge, answer_json, error_body
-from service.fleet import note_attempt_worker, note_worker
-from service.lease import claim_attempt, heartbeat
 from service.models import utcnow
-from service.report import (
+from service.schemas import BatchAccepted, ItemErrorPublic
+from service.workers.fleet import note_attempt_worker, note_worker
+from service.workers.lease import claim_attempt, heartbeat
+from service.workers.report import (
     finish_attempt,
     record_evals,
     record_metrics,
     register_checkpoint,
     remove_checkpoint,
 )
-from service.schemas import BatchAccepted, ItemErrorPublic
 
 PREFIX = "/internal/"
 MAX_BODY_BYTES = MAX_REPORT_BYTES

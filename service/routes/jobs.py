@@ -1,4 +1,4 @@
-"""Routes of jobs (service.job): `POST /datasets/inspect`, `POST /datasets/prepare`,
+"""Routes of jobs (service.workers.job): `POST /datasets/inspect`, `POST /datasets/prepare`,
 `POST /evaluations`, their reads, and the worker's `/internal/jobs/{id}/start|result`."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from service.deps import (
     require_api,
     require_worker,
 )
-from service.dispatch import OutboxPump
-from service.job import (
+from service.models import Job
+from service.workers.dispatch import OutboxPump
+from service.workers.job import (
     PUBLIC,
     create_job,
     finish_job,
@@ -28,7 +29,6 @@ from service.job import (
     resolve_evaluate,
     start_job,
 )
-from service.models import Job
 
 # --- routes --------------------------------------------------------------------------------
 

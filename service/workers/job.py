@@ -2,7 +2,7 @@
 evaluations, run on workers.
 
 A job is stored with its outbox row in one transaction, so a broker outage delays a job and
-never fails the request; the message goes out after the commit (service.dispatch). A worker
+never fails the request; the message goes out after the commit (service.workers.dispatch). A worker
 starts the job and posts its outcome; the first outcome is kept, a repeat of it is answered as
 before, and a different one is 409. Functions take a session and plain values.
 """
@@ -359,7 +359,7 @@ def fail_exhausted_jobs(
 ) -> list[str]:
     """Fail every job running since before `now - timeout` whose message went out
     `max_deliveries` times already: a job that kills its worker (an out-of-memory kill) would
-    otherwise be sent again after every timeout, for ever (service.reaper.requeue_stale_jobs
+    otherwise be sent again after every timeout, for ever (service.workers.reaper.requeue_stale_jobs
     sends the others again; this runs first). A conditional UPDATE per job: an outcome posted
     meanwhile wins. Returns the ids failed."""
     cutoff = now - timedelta(seconds=timeout)

@@ -9,7 +9,7 @@ device, `<queue>.devices-N` for more), which only workers that own N devices or 
 jobs go to the base queue, which every worker consumes. A row may be sent twice
 (a crash between the send and the mark): workers tolerate that, because a claim has exactly one
 winner and a job's first result is the one kept. Each send of a job's row counts as one of its
-deliveries (`Job.deliveries`, its budget: service.job.fail_exhausted_jobs).
+deliveries (`Job.deliveries`, its budget: service.workers.job.fail_exhausted_jobs).
 
 A message the broker took can still be lost (Redis restarted without persistence, a queue
 purged by hand), and its attempt would then stay queued for good: `redispatch_unclaimed`, run
@@ -39,10 +39,10 @@ from contracts.dispatch import (
 )
 from runtime.broker import broker_options
 from service.db import database_now, rowcount
-from service.fleet import largest_idle_worker
 from service.lifecycle import AttemptStatus
 from service.models import Attempt, Job, OutboxMessage
-from service.periodic import Periodic
+from service.workers.fleet import largest_idle_worker
+from service.workers.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def redispatch_unclaimed(
 ) -> list[str]:
     """Queue a new outbox row for every attempt still queued `after` seconds after its last
     message went out (and none waits unsent), when a live worker of `queue` owning as many
-    devices runs nothing (service.fleet.largest_idle_worker): that worker would have claimed
+    devices runs nothing (service.workers.fleet.largest_idle_worker): that worker would have claimed
     it, so its message is lost. With no such worker nothing is sent: a message waiting its turn
     behind busy workers is not lost, and copies of it would pile up in the broker. Each re-send
     is counted on the attempt, by a conditional UPDATE that also makes two replicas' passes

@@ -7,11 +7,11 @@ conditional UPDATE, so a superseded worker (stale secret) gets 409 `superseded` 
 worker token 403 `forbidden`, and neither writes anything. A claimant that retries a claim
 whose answer it never saw (same nonce, same token) gets the same claim back.
 
-A lease is lost two ways: it expires (no call of the attempt for `lease_seconds`: the worker
-died or is cut off), or the worker's progress stalls (heartbeats keep coming from its keeper
-thread but the counter they carry has not moved for `stall_seconds`: the worker hangs). The
-reaper marks such attempts `lost` (cause `infrastructure` or `stalled`); see service/reaper.py
-for the grace it gives leases after the service could not hear them.
+A lease is lost two ways: it expires (no call of the attempt for `lease_seconds`: the worker died or
+is cut off), or the worker's progress stalls (heartbeats keep coming from its keeper thread but the
+counter they carry has not moved for `stall_seconds`: the worker hangs). The reaper marks such
+attempts `lost` (cause `infrastructure` or `stalled`); see service/workers/reaper.py for the grace
+it gives leases after the service could not hear them.
 
 Both clocks are written and judged by the database's clock (`service.db.database_now`), never
 by a replica's own: replicas whose clocks disagree by a lease would otherwise write leases that

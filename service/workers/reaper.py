@@ -1,11 +1,11 @@
-"""The reaper: running attempts whose lease expired (their worker was killed or cut off) or
-whose progress stalled (their worker hangs) are marked `lost`, and their run recovers with a
-new attempt from its latest checkpoint while `max_preemptions` lasts. Jobs (inspections,
-evaluations) hold no lease: one running longer than `job_timeout` is queued and sent again
-(the first outcome posted is kept), until it was delivered `job_max_deliveries` times; then it
-fails (service.job.fail_exhausted_jobs). The same pass sends a queued attempt's message again
-when no free worker claimed it within `redispatch_seconds` (the broker lost it:
-service.dispatch.redispatch_unclaimed).
+"""The reaper: running attempts whose lease expired (their worker was killed or cut off) or whose
+progress stalled (their worker hangs) are marked `lost`, and their run recovers with a new attempt
+from its latest checkpoint while `max_preemptions` lasts. Jobs (inspections, evaluations) hold no
+lease: one running longer than `job_timeout` is queued and sent again (the first outcome posted is
+kept), until it was delivered `job_max_deliveries` times; then it fails
+(service.workers.job.fail_exhausted_jobs). The same pass sends a queued attempt's message again when
+no free worker claimed it within `redispatch_seconds` (the broker lost it:
+service.workers.dispatch.redispatch_unclaimed).
 
 The reaper never judges a lease by time during which the service could not hear it. Every
 pass that reaches the database records when (`ReaperState.heard_at`, by the database's clock,
@@ -40,13 +40,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.dispatch import DEFAULT_QUEUE
 from service.db import database_now, rowcount
-from service.dispatch import redispatch_unclaimed
 from service.errors import is_unavailable
-from service.job import fail_exhausted_jobs
-from service.lease import expire_attempt
 from service.lifecycle import AttemptStatus, settle_attempt
 from service.models import Attempt, Job, OutboxMessage, ReaperState, Run
-from service.periodic import Periodic
+from service.workers.dispatch import redispatch_unclaimed
+from service.workers.job import fail_exhausted_jobs
+from service.workers.lease import expire_attempt
+from service.workers.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""Report ingestion: what a worker posts about its attempt (metric points, evaluations,
-checkpoint registrations and removals) and how it ends (finish). Every report is fenced
-(service.lease): only the claimant, with the claim's secret, writes, and each accepted report
-renews the lease.
+"""Report ingestion: what a worker posts about its attempt (metric points, evaluations, checkpoint
+registrations and removals) and how it ends (finish). Every report is fenced
+(service.workers.lease): only the claimant, with the claim's secret, writes, and each accepted
+report renews the lease.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from contracts.reports import MetricPoint as ReportedPoint
 from service.checkpoints.registry import CHECKPOINTS_DIR, pins
 from service.db import insert_for
 from service.errors import ApiError
-from service.lease import fence
 from service.lifecycle import (
     RETRIED_CAUSE,
     AttemptStatus,
@@ -47,6 +46,7 @@ from service.models import (
     Run,
     utcnow,
 )
+from service.workers.lease import fence
 
 
 def checkpoint_path_of(artifact_root: Path, run_id: str, step: int) -> Path:
