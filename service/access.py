@@ -14,10 +14,10 @@ run and job, so the functions that create them need not know about owners. Rows 
 owners were recorded (migration 0010) have no owner: admins and viewers see them, no user does.
 Ownership is by token id, which rotation keeps: a rotated token keeps its runs.
 
-Workflows are content-addressed, so they are owned by a relation (models.WorkflowOwner): every
-token that stored or ran one; a user sees those (service.workflow.get_workflow with
-`owner_filter`). Functions below the routes take that filter as `owner_id`, as list_runs does,
-and load one row for a token with `can_see` (service.run.run_for, service.workers.job.job_for).
+Workflows are content-addressed, so they are owned by a relation (models.WorkflowOwner): every token
+that stored or ran one; a user sees those (service.runs.workflow.get_workflow with `owner_filter`).
+Functions below the routes take that filter as `owner_id`, as list_runs does, and load one row for a
+token with `can_see` (service.runs.run.run_for, service.workers.job.job_for).
 
 Paths: every path a request names must resolve inside the data roots (TRAINCTL_DATA_ROOTS);
 `outside_roots` names each one that does not. A path into a run's folder of the artifact store

@@ -8,11 +8,11 @@ change always has one:
 
 - Token changes (service.auth) add their event themselves (`record`).
 - Run and job changes are made by functions that know nothing of auditing and commit when they are
-  done (service.run, service.resume, service.control, service.workers.job). Their route announces
-  the change first (`expect`); a `before_commit` hook adds the event to the first commit of the
-  request's session that writes anything. A commit that only ends a read (create_run commits before
-  hashing) or a no-op that rolls back (pausing a paused run) writes nothing and records nothing. For
-  a creation the target is the run or job the transaction inserted.
+  done (service.runs.run, service.runs.resume, service.runs.control, service.workers.job). Their
+  route announces the change first (`expect`); a `before_commit` hook adds the event to the first
+  commit of the request's session that writes anything. A commit that only ends a read (create_run
+  commits before hashing) or a no-op that rolls back (pausing a paused run) writes nothing and
+  records nothing. For a creation the target is the run or job the transaction inserted.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class Workflow(Base):
 class WorkflowOwner(Base):
     """A token that stored or ran a workflow (POST /workflows, POST /runs). Workflows are
     content-addressed, one row per document, so two owners may hold the same one: to a user
-    token, a workflow is its own when a row names it (service.workflow.get_workflow)."""
+    token, a workflow is its own when a row names it (service.runs.workflow.get_workflow)."""
 
     __tablename__ = "workflow_owners"
 

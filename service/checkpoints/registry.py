@@ -69,7 +69,7 @@ def pins(*, session: Session, run_id: str) -> dict[int, list[str]]:
         initial[("initial_checkpoint", "step")].as_integer().label("step"), Run.id
     ).where(initial[("initial_checkpoint", "run")].as_string() == run_id, *may_load)
     # A pretrained directory in the artifact store is stored as its checkpoint's registered
-    # path (service.workflow.parse_workflow), so the path finds the step.
+    # path (service.runs.workflow.parse_workflow), so the path finds the step.
     source = aliased(Checkpoint)
     pretrained = (
         select(source.step.label("step"), Run.id)

@@ -21,7 +21,6 @@ from contracts.bounds import MAX_COUNT
 from service import access, audit
 from service.checkpoints.registry import CheckpointFilter, list_checkpoints
 from service.compare import compare_runs
-from service.control import cancel_run, pause_run
 from service.deps import (
     ApiTokenDep,
     LeasesHeardDep,
@@ -35,8 +34,9 @@ from service.deps import (
 from service.export import evals_csv, metrics_csv
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
-from service.resume import resume_run
-from service.run import (
+from service.runs.control import cancel_run, pause_run
+from service.runs.resume import resume_run
+from service.runs.run import (
     RunsCursor,
     create_run,
     list_runs,

@@ -7,14 +7,14 @@ from fastapi import APIRouter, Body, Depends, Response, status
 from contracts.workflow import plan
 from service import access
 from service.deps import ApiTokenDep, SessionDep, SettingsDep, require_api
-from service.schemas import WorkflowPublic, WorkflowValidation
-from service.workflow import (
+from service.runs.workflow import (
     add_workflow_owner,
     get_workflow,
     parse_workflow,
     save_workflow,
     workflow_public,
 )
+from service.schemas import WorkflowPublic, WorkflowValidation
 
 router = APIRouter(prefix="/workflows", tags=["workflows"], dependencies=[Depends(require_api)])
 
@@ -47,7 +47,7 @@ def create_workflow(
     token: ApiTokenDep,
 ) -> WorkflowPublic:
     """Store a workflow under the SHA-256 of its normalised form, owned by the caller among
-    others (service.workflow): 201 when it is new to this token, 200 when this token stored
+    others (service.runs.workflow): 201 when it is new to this token, 200 when this token stored
     or ran the same workflow (same id) before. Whether another token did is not told."""
     spec = parse_workflow(
         doc,

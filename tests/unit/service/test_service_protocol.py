@@ -13,9 +13,9 @@ from contracts.workflow import validate_workflow
 from service.errors import ApiError, validation_details
 from service.lifecycle import budget_use, recovery_seconds
 from service.models import Attempt
+from service.runs.workflow import parse_workflow, workflow_id_of
 from service.workers.lease import digests_of
 from service.workers.report import finite_or_none, point_error
-from service.workflow import parse_workflow, workflow_id_of
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

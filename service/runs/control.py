@@ -23,7 +23,7 @@ from service.lifecycle import (
     newest_attempt,
 )
 from service.models import Attempt, Run, utcnow
-from service.run import get_run
+from service.runs.run import get_run
 from service.workers.lease import expire_attempt, lease_expired
 
 

@@ -16,7 +16,6 @@ from contracts.signature import FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import devices_refusal
 from service.db import database_now
-from service.digest import resolve_digests
 from service.errors import ApiError
 from service.lifecycle import (
     AttemptStatus,
@@ -27,16 +26,17 @@ from service.lifecycle import (
     newest_attempt,
 )
 from service.models import Attempt, Run
-from service.run import (
+from service.runs.digest import resolve_digests
+from service.runs.run import (
     InitialCheckpoint,
     get_run,
     recheck_initial_checkpoint,
     resolve_initial_checkpoint,
     sign_run,
 )
+from service.runs.workflow import get_workflow, parse_workflow
 from service.schemas import RunResume
 from service.workers.lease import digests_of, expire_attempt, is_active
-from service.workflow import get_workflow, parse_workflow
 
 
 def _show(value: Any) -> str:
@@ -70,7 +70,7 @@ def resume_inputs(
 ) -> tuple[WorkflowSpec, InitialCheckpoint | None]:
     """The workflow and initial checkpoint the request gives, or those stored where it gives
     nothing, their paths inside `roots` (default: data_root alone) and a given initial
-    checkpoint checked for what it is (service.run.check_initial_checkpoint); another run's
+    checkpoint checked for what it is (service.runs.run.check_initial_checkpoint); another run's
     checkpoint only of a run `owner_id` (the caller's scope) may see. Reads the database;
     hashes nothing."""
     if request.workflow is not None:

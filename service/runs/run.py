@@ -26,10 +26,17 @@ from service.access import can_see, outside_roots
 from service.checkpoints.registry import USABLE
 from service.checkpoints.source import refusal, source_checkpoint, stored_checkpoint
 from service.checkpoints.weights import checkpoint_problem
-from service.digest import resolve_digests
 from service.errors import ApiError, not_found
 from service.lifecycle import AttemptStatus, RunStatus, add_attempt, budget_use, recovery_seconds
 from service.models import ApiToken, Attempt, Checkpoint, Run, RunTag, new_run_id, utcnow
+from service.runs.digest import resolve_digests
+from service.runs.workflow import (
+    add_workflow_owner,
+    get_workflow,
+    parse_workflow,
+    save_workflow,
+    stored_pretrained,
+)
 from service.schemas import (
     AttemptPublic,
     CheckpointOf,
@@ -40,13 +47,6 @@ from service.schemas import (
     RunUpdate,
 )
 from service.workers.fleet import LiveCapacity, largest_live_worker
-from service.workflow import (
-    add_workflow_owner,
-    get_workflow,
-    parse_workflow,
-    save_workflow,
-    stored_pretrained,
-)
 
 
 def request_sha256(request: RunCreate) -> str:
