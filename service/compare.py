@@ -20,7 +20,7 @@ from contracts.signature import diff_components
 from contracts.workflow import Plan
 from service.lifecycle import RunStatus
 from service.models import EvalResult, Run
-from service.runs.run import run_tags
+from service.runs.view import run_tags
 from service.schemas import (
     ComparedEval,
     ComparedEvalSet,

@@ -36,15 +36,8 @@ from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
 from service.runs.control import cancel_run, pause_run
 from service.runs.resume import resume_run
-from service.runs.run import (
-    RunsCursor,
-    create_run,
-    list_runs,
-    run_for,
-    run_public,
-    runs_public,
-    update_run,
-)
+from service.runs.run import create_run, run_for, update_run
+from service.runs.view import RunsCursor, list_runs, run_public, runs_public
 from service.schemas import (
     MAX_COMPARED,
     MAX_RUNS_PAGE,

@@ -27,13 +27,13 @@ from service.lifecycle import (
 )
 from service.models import Attempt, Run
 from service.runs.digest import resolve_digests
-from service.runs.run import (
+from service.runs.initial_checkpoint import (
     InitialCheckpoint,
-    get_run,
     recheck_initial_checkpoint,
     resolve_initial_checkpoint,
     sign_run,
 )
+from service.runs.run import get_run
 from service.runs.workflow import get_workflow, parse_workflow
 from service.schemas import RunResume
 from service.workers.lease import digests_of, expire_attempt, is_active
@@ -69,10 +69,10 @@ def resume_inputs(
     owner_id: str | None = None,
 ) -> tuple[WorkflowSpec, InitialCheckpoint | None]:
     """The workflow and initial checkpoint the request gives, or those stored where it gives
-    nothing, their paths inside `roots` (default: data_root alone) and a given initial
-    checkpoint checked for what it is (service.runs.run.check_initial_checkpoint); another run's
-    checkpoint only of a run `owner_id` (the caller's scope) may see. Reads the database;
-    hashes nothing."""
+    nothing, their paths inside `roots` (default: data_root alone) and a given initial checkpoint
+    checked for what it is (service.runs.initial_checkpoint.check_initial_checkpoint); another run's
+    checkpoint only of a run `owner_id` (the caller's scope) may see. Reads the database; hashes
+    nothing."""
     if request.workflow is not None:
         doc = request.workflow
     else:

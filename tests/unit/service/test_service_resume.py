@@ -8,8 +8,8 @@ from datetime import timedelta
 from contracts.signature import Digests, FieldDiff, compute_signature
 from contracts.workflow import validate_workflow
 from service.models import Attempt, utcnow
+from service.runs.initial_checkpoint import InitialCheckpoint, sign_run
 from service.runs.resume import signature_mismatch
-from service.runs.run import InitialCheckpoint, sign_run
 from service.workers.lease import is_active, lease_expired
 
 DOC = {
