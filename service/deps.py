@@ -15,8 +15,8 @@ from service import access
 from service.auth import find_token
 from service.errors import ApiError
 from service.models import ApiToken, Run
+from service.reads.series import MAX_SERIES_PER_READ
 from service.runs.run import run_for
-from service.series import MAX_SERIES_PER_READ
 from service.settings import ServiceSettings
 from service.workers.dispatch import OutboxPump
 

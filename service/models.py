@@ -284,7 +284,7 @@ class MetricPoint(Base):
 
     __tablename__ = "metrics"
     __table_args__ = (
-        # Thinned reads (service.series.thin_series): the points whose step is a multiple of
+        # Thinned reads (service.reads.series.thin_series): the points whose step is a multiple of
         # 2^k, for any k, are one range of this index, ordered by (run, name, largest power of
         # two dividing the step). `value` rides along so Postgres answers from the index alone.
         Index(

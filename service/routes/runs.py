@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session
 from contracts.bounds import MAX_COUNT
 from service import access, audit
 from service.checkpoints.registry import CheckpointFilter, list_checkpoints
-from service.compare import compare_runs
 from service.deps import (
     ApiTokenDep,
     LeasesHeardDep,
@@ -31,9 +30,11 @@ from service.deps import (
     SettingsDep,
     require_api,
 )
-from service.export import evals_csv, metrics_csv
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
+from service.reads.compare import compare_runs
+from service.reads.export import evals_csv, metrics_csv
+from service.reads.series import eval_summary, metric_series_json
 from service.runs.control import cancel_run, pause_run
 from service.runs.resume import resume_run
 from service.runs.run import create_run, run_for, update_run
@@ -50,7 +51,6 @@ from service.schemas import (
     RunsPublic,
     RunUpdate,
 )
-from service.series import eval_summary, metric_series_json
 from service.settings import ServiceSettings
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_api)])
@@ -68,7 +68,7 @@ MaxPoints = Annotated[
 ]
 Format = Annotated[
     Literal["json", "csv"],
-    Query(description="`csv`: text/csv with the columns service.export documents"),
+    Query(description="`csv`: text/csv with the columns service.reads.export documents"),
 ]
 CSV_MEDIA_TYPE = "text/csv; charset=utf-8"
 MAX_TAG_FILTERS = 8
@@ -291,7 +291,7 @@ def read_metrics(
             max_points=max_points,
         )
         return _csv(body, run.id, "metrics")
-    # The body as Postgres wrote it (service.series.metric_series_json): no point is parsed
+    # The body as Postgres wrote it (service.reads.series.metric_series_json): no point is parsed
     # or encoded in Python.
     return Response(
         metric_series_json(session=session, run_id=run.id, names=names, max_points=max_points),

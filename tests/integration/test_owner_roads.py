@@ -19,7 +19,7 @@ from procs import Stack, processes
 from weights import write_model_dir
 
 from contracts.bounds import MAX_NAME
-from service.series import MAX_SERIES_PER_READ
+from service.reads.series import MAX_SERIES_PER_READ
 
 if TYPE_CHECKING:
     from conftest import WorkflowFactory

@@ -20,6 +20,7 @@ from contracts.signature import diff_components
 from contracts.workflow import Plan
 from service.lifecycle import RunStatus
 from service.models import EvalResult, Run
+from service.reads.series import json_float
 from service.runs.view import run_tags
 from service.schemas import (
     ComparedEval,
@@ -31,7 +32,6 @@ from service.schemas import (
     InputDifference,
     RunComparison,
 )
-from service.series import json_float
 
 
 def percent_change(value: float | None, reference: float | None) -> float | None:

@@ -11,7 +11,7 @@ Evaluations, one row per eval set and step, in (name, step) order:
     run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,oversized_records
 
 An empty cell is a value that is not a finite number. Every point is exported unless
-`max_points` thins the series as the JSON answer does (service.series.thin_series); the points
+`max_points` thins the series as the JSON answer does (service.reads.series.thin_series); the points
 are read in pages of PAGE_ROWS by key, each page in a short session of its own, so an export of
 millions of points holds one page in memory and no connection between pages.
 """
@@ -26,9 +26,9 @@ from typing import Any
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
-from service import series
 from service.models import EvalResult, MetricPoint
-from service.series import json_float, metric_columns
+from service.reads import series
+from service.reads.series import json_float, metric_columns
 
 METRIC_COLUMNS = ("run_id", "name", "step", "value")
 EVAL_COLUMNS = (
