@@ -27,7 +27,7 @@ from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from service.models import EvalResult, MetricPoint
-from service.reads import series
+from service.reads import evaluation
 from service.reads.series import json_float, metric_columns
 
 METRIC_COLUMNS = ("run_id", "name", "step", "value")
@@ -112,7 +112,7 @@ def metrics_csv(
 def evals_csv(*, session: Session, run_id: str) -> str:
     """The CSV of the run's evaluations (which are few: read at once)."""
     rows = session.execute(
-        select(*series.EVAL_COLUMNS)
+        select(*evaluation.EVAL_COLUMNS)
         .where(EvalResult.run_id == run_id)
         .order_by(EvalResult.name, EvalResult.step)
     ).all()

@@ -1,4 +1,5 @@
-"""Metric series and evaluation summaries, read straight from rows into plain JSON-able values.
+"""Metric series, read straight from rows into plain JSON-able values: every point, or each
+series thinned by the database (service.reads.thinning).
 
 Bulk rows never become pydantic objects: for tens of thousands of points, building columns
 directly measured 3x faster than FastAPI's per-object encoding.
@@ -8,28 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import (
-    CTE,
-    ColumnElement,
-    Float,
-    String,
-    Text,
-    case,
-    cast,
-    func,
-    literal,
-    select,
-    text,
-    union_all,
-)
+from sqlalchemy import Float, Text, case, cast, func, literal, select
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
-from service.models import EvalResult, MetricPoint
+from service.models import MetricPoint
+from service.reads.thinning import ends, thin
 
 T = TypeVar("T")
 
@@ -104,11 +91,11 @@ def metric_series_json(
         for name, steps, values in _full_series_json(session=session, run_id=run_id, names=names):
             parts.append(f'{_key(name)}{{"steps":{steps},"values":{values}}}')
     else:
-        thinned = _thin(
+        thinned = thin(
             session=session, run_id=run_id, names=names, max_points=max_points, as_json=True
         )
         for name, s in thinned.items():
-            head, tail = _ends(s, max_points)
+            head, tail = ends(s, max_points)
             inner = ("[]", "[]") if s.kept is None else s.kept
             assert isinstance(inner[0], str) and isinstance(inner[1], str)
             steps = _join([p[0] for p in head], inner[0], [p[0] for p in tail])
@@ -150,113 +137,27 @@ def _full_series_json(
     return [(name, steps, values) for name, steps, values in rows]
 
 
-def series_names(model: type[MetricPoint | EvalResult], run_id: str) -> CTE:
-    """The names the run has rows of in `model`'s table (column `name`, then a NULL row to
-    skip), by a skip scan of its primary key (run_id, name, step): one index seek per name,
-    however many rows each has, where DISTINCT would read them all."""
-    after = aliased(model)
-    names = select(
-        select(model.name)
-        .where(model.run_id == run_id)
-        .order_by(model.name)
-        .limit(1)
-        .scalar_subquery()
-        .label("name")
-    ).cte(f"{model.__tablename__}_names", recursive=True)
-    return names.union_all(
-        select(
-            select(after.name)
-            .where(after.run_id == run_id, after.name > names.c.name)
-            .order_by(after.name)
-            .limit(1)
-            .scalar_subquery()
-        ).where(names.c.name.is_not(None))
-    )
-
-
-def step_level() -> ColumnElement[int]:
-    """The largest power of two dividing a point's step (its lowest set bit; 0 for step 0).
-    ix_metrics_step_level is on this very expression: both databases use an expression index
-    only for the expression as it was indexed."""
-    return MetricPoint.step.op("&")(-MetricPoint.step)
-
-
-Point = tuple[int, float | None]
-# Points as two aligned columns, steps and values: a few lists, not a tuple per point.
-Columns = tuple[list[int], list[float | None]]
-# The same points as two JSON arrays written by Postgres (metric_series_json): never parsed.
-JsonColumns = tuple[str, str]
-
-
-@dataclass
-class _Found:
-    """What one read of a series at its level found: `count` rows (at most budget + 3, the
-    first and the last point may be among them), `inside` of them strictly between its first
-    and last point, and those inside points by step (`kept`)."""
-
-    count: int
-    inside: int
-    kept: Columns | JsonColumns
-
-
-@dataclass
-class _Series:
-    """One series being thinned: its first and last point, and the search for the finest
-    stride (2^level) whose multiples between them fit the budget. Whether they fit only
-    changes once along the levels (coarser strides keep fewer points)."""
-
-    first: Point
-    last: Point
-    level: int = 0  # the level to read next
-    fitted: int | None = None  # the finest level known to fit, whose points are `kept`
-    overflowed: int | None = None  # the coarsest level known not to fit
-    kept: Columns | JsonColumns | None = None
-
-    def read(self, found: _Found, budget: int) -> bool:
-        """Take what a read at `level` found; True when another read is due."""
-        if found.count == budget + 3 or found.inside > budget:
-            self.overflowed = self.level
-            if self.fitted is None:
-                self.level += 1
-                return True
-        else:
-            self.fitted = self.level
-            self.kept = found.kept
-            if 2 * found.inside > budget:
-                # Half the stride would about double the points: it would not fit (exactly so
-                # for a series with a point at every step), so no read is spent on it.
-                return False
-            if self.overflowed is None:
-                # Sparse for its span: all of it may fit, which one read of the budget tells.
-                self.level = 0
-                return self.fitted > 0
-        if self.fitted is None or self.overflowed is None:
-            return False
-        self.level = (self.fitted + self.overflowed) // 2
-        return self.level != self.overflowed
-
-
 def thin_series(
     *, session: Session, run_id: str, names: list[str] | None, max_points: int
 ) -> dict[str, dict[str, list[Any]]]:
     """At most `max_points` points per series, always its first and last, chosen by the
     database at a cost in the points returned, not in the points stored.
 
-    Between the first and the last point, the points kept are those whose step is a multiple
-    of a stride, a power of two: the finest stride whose multiples fit (every point when all
-    fit; for a series with a point at every step, between half and all of `max_points`).
-    Rows are found through ix_metrics_step_level (run, name, largest power of two dividing
-    the step, step): the multiples of a stride 2^k are one range of it, read with a LIMIT just
-    past the budget, so no read walks the series. The first stride is the one that fits
-    a series with a point at every step of its span, which is exact for such a series (one
-    read); otherwise a few more reads find the finest stride that fits (`_Series.read`). Each
-    round is one statement for every series still open.
+    Between the first and the last point, the points kept are those whose step is a multiple of a
+    stride, a power of two: the finest stride whose multiples fit (every point when all fit; for a
+    series with a point at every step, between half and all of `max_points`). Rows are found through
+    ix_metrics_step_level (run, name, largest power of two dividing the step, step): the multiples
+    of a stride 2^k are one range of it, read with a LIMIT just past the budget, so no read walks
+    the series. The first stride is the one that fits a series with a point at every step of its
+    span, which is exact for such a series (one read); otherwise a few more reads find the finest
+    stride that fits (`thinning._Series.read`). Each round is one statement for every series still
+    open.
     """
     out: dict[str, dict[str, list[Any]]] = {}
-    for name, s in _thin(
+    for name, s in thin(
         session=session, run_id=run_id, names=names, max_points=max_points, as_json=False
     ).items():
-        head, tail = _ends(s, max_points)
+        head, tail = ends(s, max_points)
         steps, values = s.kept if s.kept is not None else ([], [])
         assert isinstance(steps, list) and isinstance(values, list)
         out[name] = {
@@ -266,260 +167,3 @@ def thin_series(
             ],
         }
     return out
-
-
-def _ends(s: _Series, max_points: int) -> tuple[list[Point], list[Point]]:
-    """The points of `s` answered before and after its kept interior ones: the last only for
-    max_points=1, the one point of a series of one step, else its first and its last."""
-    if max_points == 1:
-        return [], [s.last]
-    if s.first[0] == s.last[0]:
-        return [], [s.first]
-    return [s.first], [s.last]
-
-
-def _thin(
-    *, session: Session, run_id: str, names: list[str] | None, max_points: int, as_json: bool
-) -> dict[str, _Series]:
-    """The series of `thin_series`, by name, each with the interior points it keeps (as
-    JSON arrays written by Postgres with `as_json`)."""
-    series = _series_bounds(session=session, run_id=run_id, names=names)
-    budget = max_points - 2  # interior points, between the first and the last
-    if budget > 0:
-        for s in series.values():
-            s.level = _first_level(s.first[0], s.last[0], budget)
-        pending = {name: s for name, s in series.items() if s.last[0] - s.first[0] > 1}
-        while pending:
-            found = _level_points(
-                session=session, run_id=run_id, series=pending, budget=budget, as_json=as_json
-            )
-            pending = {name: s for name, s in pending.items() if s.read(found[name], budget)}
-    return dict(sorted(series.items()))
-
-
-def _first_level(first: int, last: int, budget: int) -> int:
-    """The finest level whose stride has at most `budget` multiples strictly between the
-    steps."""
-    level = 0
-    while ((last - 1) >> level) - (first >> level) > budget:
-        level += 1
-    return level
-
-
-def _series_bounds(*, session: Session, run_id: str, names: list[str] | None) -> dict[str, _Series]:
-    """The first and last point of each series of the run (of `names` only, when given) that
-    has points, in one statement of index seeks: the names come from a skip scan of the
-    primary key (one seek per name), not from reading the run's rows."""
-    if session.get_bind().dialect.name == "postgresql":
-        statement = _PG_BOUNDS_OF_NAMES if names else _PG_BOUNDS
-        params: dict[str, Any] = {"run_id": run_id, **({"names": names} if names else {})}
-        rows: Any = session.execute(statement, params)
-    else:
-        rows = session.execute(_bounds_statement(run_id, names))
-    return {
-        name: _Series(first=(lo, lo_value), last=(hi, hi_value))
-        for name, lo, lo_value, hi, hi_value in rows
-        if lo is not None
-    }
-
-
-# What _bounds_statement builds, as fixed text for Postgres: one statement whatever the
-# names, which psycopg prepares once per connection. Built by SQLAlchemy per read, the
-# statements of a thinned read cost more Python than Postgres took to run them.
-_PG_EDGES = (
-    "SELECT n.name, f.step, f.value, l.step, l.value FROM {names} "
-    "CROSS JOIN LATERAL (SELECT step, value FROM metrics "
-    "WHERE run_id = :run_id AND name = n.name ORDER BY step LIMIT 1) AS f "
-    "CROSS JOIN LATERAL (SELECT step, value FROM metrics "
-    "WHERE run_id = :run_id AND name = n.name ORDER BY step DESC LIMIT 1) AS l"
-)
-_PG_BOUNDS = text(
-    "WITH RECURSIVE names(name) AS ("
-    "(SELECT name FROM metrics WHERE run_id = :run_id ORDER BY name LIMIT 1) "
-    "UNION ALL SELECT (SELECT m.name FROM metrics AS m "
-    "WHERE m.run_id = :run_id AND m.name > names.name ORDER BY m.name LIMIT 1) "
-    "FROM names WHERE names.name IS NOT NULL) "
-    + _PG_EDGES.format(names="names AS n")
-    + " WHERE n.name IS NOT NULL"
-)
-_PG_BOUNDS_OF_NAMES = text(_PG_EDGES.format(names="unnest(CAST(:names AS varchar[])) AS n(name)"))
-
-
-def _bounds_statement(run_id: str, names: list[str] | None) -> Any:
-    if names:
-        wanted = union_all(*(select(literal(name, String).label("name")) for name in names))
-        source = wanted.cte("wanted")
-    else:
-        source = series_names(MetricPoint, run_id)
-
-    def edge(column: Any, order: Any) -> Any:
-        return (
-            select(column)
-            .where(MetricPoint.run_id == run_id, MetricPoint.name == source.c.name)
-            .order_by(order)
-            .limit(1)
-            .scalar_subquery()
-        )
-
-    first, last = MetricPoint.step.asc(), MetricPoint.step.desc()
-    return select(
-        source.c.name,
-        edge(MetricPoint.step, first),
-        edge(MetricPoint.value, first),
-        edge(MetricPoint.step, last),
-        edge(MetricPoint.value, last),
-    ).where(source.c.name.is_not(None))
-
-
-def _level_points(
-    *, session: Session, run_id: str, series: dict[str, _Series], budget: int, as_json: bool
-) -> dict[str, _Found]:
-    """Per series, up to budget + 3 of its points whose step is a multiple of its level's
-    stride: one index range each, all in one statement. The range is not narrowed to the
-    steps between the first and the last point: with that second range on the step, SQLite
-    chose the primary key and walked the whole series.
-
-    Postgres answers each series as one row: the count of the rows read, and the points
-    between the first and the last as two arrays by step (with `as_json`, two JSON arrays as
-    text, non-finite values as null, which Python passes on without parsing). As a row per
-    point (7,830 for ten series), each read left thousands of objects for Python's collector,
-    whose full passes over the service's heap then cost ~55 ms every fourth or fifth read."""
-    if session.get_bind().dialect.name == "postgresql":
-        items = list(series.items())
-        rows = session.execute(
-            _PG_LEVEL_JSON if as_json else _PG_LEVEL_ARRAYS,
-            {
-                "run_id": run_id,
-                "limit": budget + 3,
-                "names": [name for name, _ in items],
-                # The least step level read: 2^level, or 0 (every step, step 0 included).
-                "levels": [1 << s.level if s.level > 0 else 0 for _, s in items],
-                "firsts": [s.first[0] for _, s in items],
-                "lasts": [s.last[0] for _, s in items],
-            },
-        ).all()
-        # The arrays are NULL when no point is inside.
-        empty: Any = "[]" if as_json else []
-        return {
-            name: _Found(count=count, inside=inside, kept=(steps or empty, values or empty))
-            for name, count, inside, steps, values in rows
-        }
-    parts = []
-    for name, s in series.items():
-        query = select(MetricPoint.step, MetricPoint.value).where(
-            MetricPoint.run_id == run_id, MetricPoint.name == name
-        )
-        if s.level > 0:
-            query = query.where(step_level() >= 1 << s.level)
-        # SQLite takes a LIMIT in a compound statement only inside a subquery.
-        limited = query.limit(budget + 3).subquery()
-        parts.append(select(literal(name, String).label("name"), limited.c.step, limited.c.value))
-    read: dict[str, list[Point]] = {name: [] for name in series}
-    # .all(): fetched in one call, where iterating fetched row by row.
-    for name, step, value in session.execute(union_all(*parts)).all():
-        read[name].append((step, value))
-    found = {}
-    for name, points in read.items():
-        first, last = series[name].first[0], series[name].last[0]
-        kept = sorted(p for p in points if first < p[0] < last)
-        found[name] = _Found(
-            count=len(points),
-            inside=len(kept),
-            kept=([p[0] for p in kept], [p[1] for p in kept]),
-        )
-    return found
-
-
-# _level_points on Postgres: one fixed statement (prepared once per connection by psycopg)
-# for any number of series, each a LIMITed range of ix_metrics_step_level, parameterized by
-# the series' row of the arrays. `{steps}` and `{values}` wrap the aggregates of the points
-# inside, by step.
-_PG_LEVEL = (
-    "SELECT w.name, r.count, r.inside, r.steps, r.values "
-    "FROM unnest(CAST(:names AS varchar[]), CAST(:levels AS integer[]), "
-    "CAST(:firsts AS integer[]), CAST(:lasts AS integer[])) AS w(name, level, first, last) "
-    "CROSS JOIN LATERAL (SELECT count(*) AS count, "
-    "count(*) FILTER (WHERE p.step > w.first AND p.step < w.last) AS inside, "
-    "{steps} AS steps, {values} AS values "
-    "FROM (SELECT step, value FROM metrics "
-    "WHERE run_id = :run_id AND name = w.name AND (step & (- step)) >= w.level "
-    "LIMIT :limit) AS p) AS r"
-)
-_INSIDE = "{}(array_agg({} ORDER BY p.step) FILTER (WHERE p.step > w.first AND p.step < w.last))"
-_PG_LEVEL_ARRAYS = text(
-    _PG_LEVEL.format(steps=_INSIDE.format("", "p.step"), values=_INSIDE.format("", "p.value"))
-)
-# As JSON text: float8 as Postgres prints it (shortest exact, PG >= 12), non-finite as null.
-_PG_LEVEL_JSON = text(
-    _PG_LEVEL.format(
-        steps="CAST(" + _INSIDE.format("array_to_json", "p.step") + " AS text)",
-        values="CAST("
-        + _INSIDE.format("array_to_json", "CASE WHEN abs(p.value) < 'Infinity' THEN p.value END")
-        + " AS text)",
-    )
-)
-
-
-EvalPoint = dict[str, Any]
-
-
-def summarize_evals(
-    points: list[EvalPoint], *, max_points: int | None = None
-) -> dict[str, dict[str, Any]]:
-    """Per eval set, by name: its `task`, `baseline` (the step-0 evaluation, before the first
-    update, or None), `latest` (highest step), `best` (lowest cross-entropy; the earliest on
-    ties) and `history` by step. `points` carry `name` and `task` keys, which the answer's
-    points do not."""
-    by_name: dict[str, list[EvalPoint]] = defaultdict(list)
-    task_of: dict[str, str] = {}
-    for point in points:
-        task_of[point["name"]] = point["task"]
-        by_name[point["name"]].append({k: v for k, v in point.items() if k not in ("name", "task")})
-    sets = {}
-    for name, history in sorted(by_name.items()):
-        history.sort(key=lambda p: p["step"])
-        scored = [p for p in history if p["cross_entropy"] is not None]
-        sets[name] = {
-            "task": task_of[name],
-            "baseline": next((p for p in history if p["step"] == 0), None),
-            "latest": history[-1],
-            "best": min(scored, key=lambda p: (p["cross_entropy"], p["step"])) if scored else None,
-            "history": downsample(history, max_points),
-        }
-    return sets
-
-
-# An eval point as the API answers it, read straight from these columns.
-EVAL_COLUMNS = (
-    EvalResult.name,
-    EvalResult.task,
-    EvalResult.step,
-    EvalResult.phase,
-    EvalResult.cross_entropy,
-    EvalResult.perplexity,
-    EvalResult.records,
-    EvalResult.target_tokens,
-    EvalResult.oversized_records,
-)
-
-
-def eval_point(row: Any) -> EvalPoint:
-    """A row of EVAL_COLUMNS as a JSON-able point (non-finite numbers as null)."""
-    name, task, step, phase, ce, ppl, records, target_tokens, oversized = row
-    return {
-        "name": name,
-        "task": task,
-        "step": step,
-        "phase": phase,
-        "cross_entropy": json_float(ce),
-        "perplexity": json_float(ppl),
-        "records": records,
-        "target_tokens": target_tokens,
-        "oversized_records": oversized,
-    }
-
-
-def eval_summary(*, session: Session, run_id: str, max_points: int | None = None) -> dict[str, Any]:
-    rows = session.execute(select(*EVAL_COLUMNS).where(EvalResult.run_id == run_id))
-    points = [eval_point(row) for row in rows]
-    return {"run_id": run_id, "tasks": summarize_evals(points, max_points=max_points)}

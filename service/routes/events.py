@@ -51,7 +51,9 @@ from service.deps import Credentials, MetricNamesDep, authenticate
 from service.errors import is_retryable
 from service.lifecycle import FINISHED_RUN, phase_start
 from service.models import Attempt, Checkpoint, EvalResult, MetricPoint, Run
-from service.reads.series import EVAL_COLUMNS, eval_point, json_float, series_names
+from service.reads.evaluation import EVAL_COLUMNS, eval_point
+from service.reads.series import json_float
+from service.reads.thinning import series_names
 from service.runs.run import get_run, run_for
 from service.runs.view import run_public
 

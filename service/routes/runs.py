@@ -33,8 +33,9 @@ from service.deps import (
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
 from service.reads.compare import compare_runs
+from service.reads.evaluation import eval_summary
 from service.reads.export import evals_csv, metrics_csv
-from service.reads.series import eval_summary, metric_series_json
+from service.reads.series import metric_series_json
 from service.runs.control import cancel_run, pause_run
 from service.runs.resume import resume_run
 from service.runs.run import create_run, run_for, update_run
