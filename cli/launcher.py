@@ -26,7 +26,7 @@ def serve(
     import uvicorn
 
     from runtime.logs import configure_logging
-    from service.app import create_app
+    from service.api.app import create_app
     from service.db import upgrade_database
     from service.settings import ServiceSettings
 
@@ -60,7 +60,7 @@ def up(
 
     from cli.stack import Supervisor, spawn, stop
     from runtime.logs import configure_logging
-    from service.app import create_app
+    from service.api.app import create_app
     from service.auth import ensure_tokens
     from service.db import upgrade_database
     from service.settings import ServiceSettings

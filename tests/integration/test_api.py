@@ -17,7 +17,7 @@ from weights import write_weights_file
 
 from contracts.dispatch import RUN_PHASE_TASK
 from contracts.reports import Claim, ClaimRequest
-from service.app import create_app
+from service.api.app import create_app
 from service.auth import find_token
 from service.errors import ApiError
 from service.models import Attempt, MetricPoint, OutboxMessage, Run, Workflow

@@ -27,7 +27,7 @@ from test_api import (
 )
 
 from contracts.reports import MAX_POINTS_PER_BATCH
-from service.app import create_app
+from service.api.app import create_app
 from service.models import Attempt, utcnow
 from service.workers.reaper import Reaper, reap_expired
 

@@ -15,10 +15,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.reports import MetricBatch
 from contracts.reports import MetricPoint as ReportedPoint
+from service.api.routes.events import RunEvents, StepCursor
 from service.db import make_session_factory, upgrade_database
 from service.models import ApiToken, Attempt, EvalResult, MetricPoint, Run, Workflow
 from service.reads.series import metric_columns
-from service.routes.events import RunEvents, StepCursor
 from service.runs.view import RunsCursor, list_runs
 from service.workers.report import record_metrics
 

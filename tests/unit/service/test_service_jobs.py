@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.jobs import InspectionReport, InspectRequest, LengthStats
 from contracts.reports import EvalResult
-from service.app import create_app
+from service.api.app import create_app
 from service.auth import create_token
 from service.db import make_session_factory, upgrade_database
 from service.models import Job, OutboxMessage

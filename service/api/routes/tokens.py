@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.bounds import NO_NUL
 from service.access import READ_ROLES, WRITE_ROLES
+from service.api.deps import AnyTokenDep, SessionDep, require_admin
 from service.auth import issue_token, list_tokens, revoke_token, rotate_token
-from service.deps import AnyTokenDep, SessionDep, require_admin
 from service.models import ApiToken, TokenRole
 
 router = APIRouter(tags=["tokens"])

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Query
 
 from contracts.reports import Accepted, WorkerPing
 from service import access
-from service.deps import ApiTokenDep, SessionDep, SettingsDep, WorkerDep, require_api
+from service.api.deps import ApiTokenDep, SessionDep, SettingsDep, WorkerDep, require_api
 from service.models import utcnow
 from service.schemas import WorkersPublic
 from service.workers.fleet import list_workers, note_worker

@@ -46,8 +46,8 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contracts.bounds import MAX_COUNT
 from service import access
+from service.api.deps import Credentials, MetricNamesDep, authenticate
 from service.auth import find_token
-from service.deps import Credentials, MetricNamesDep, authenticate
 from service.errors import is_retryable
 from service.lifecycle import FINISHED_RUN, phase_start
 from service.models import Attempt, Checkpoint, EvalResult, MetricPoint, Run
@@ -330,7 +330,7 @@ def read_events(
     ] = -1,
 ) -> EventSourceResponse:
     """Server-sent events of the run's progress until it finishes (see the module docstring
-    of service/routes/events.py for the events and their data). `names` default: what workers
+    of service/api/routes/events.py for the events and their data). `names` default: what workers
     report every step (loss, lr, lr_muon, grad_norm, tokens_per_s)."""
     sessions: sessionmaker[Session] = request.app.state.session_factory
     # Authorise and look the run up in a session of its own, closed before the stream starts:

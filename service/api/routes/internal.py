@@ -35,8 +35,8 @@ from contracts.reports import (
     HeartbeatAnswer,
     MetricBatch,
 )
+from service.api.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
 from service.checkpoints.registry import pinned_steps
-from service.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
 from service.errors import PayloadTooLarge, answer_json, error_body
 from service.models import utcnow
 from service.schemas import BatchAccepted, ItemErrorPublic

@@ -1,5 +1,5 @@
-"""The app factory. Run it with `uvicorn --factory service.app:create_app` (settings from the
-environment); `uvicorn service.app:app` works too and builds the app on first access."""
+"""The app factory. Run it with `uvicorn --factory service.api.app:create_app` (settings from the
+environment); `uvicorn service.api.app:app` works too and builds the app on first access."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from service import observability
-from service.db import make_engine, make_session_factory
-from service.errors import RefuseNul, RequestBodyLimit, install_error_handlers
-from service.observability import MetricsMiddleware, Observability
-from service.routes import (
+from service.api import observability
+from service.api.observability import MetricsMiddleware, Observability
+from service.api.routes import (
     audit,
     dashboard,
     events,
@@ -25,6 +23,8 @@ from service.routes import (
     workers,
     workflows,
 )
+from service.db import make_engine, make_session_factory
+from service.errors import RefuseNul, RequestBodyLimit, install_error_handlers
 from service.settings import ServiceSettings
 from service.workers.dispatch import OutboxPump, make_celery
 from service.workers.reaper import Reaper
@@ -105,7 +105,7 @@ _app: FastAPI | None = None
 
 
 def __getattr__(name: str) -> Any:
-    # `service.app:app` for uvicorn without the --factory flag, built only when asked for.
+    # `service.api.app:app` for uvicorn without the --factory flag, built only when asked for.
     global _app
     if name == "app":
         if _app is None:

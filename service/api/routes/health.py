@@ -4,7 +4,7 @@ from fastapi import APIRouter
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from service.deps import SessionDep
+from service.api.deps import SessionDep
 from service.errors import database_unavailable
 from service.schemas import Status
 

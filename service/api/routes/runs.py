@@ -19,8 +19,7 @@ from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT
 from service import access, audit
-from service.checkpoints.registry import CheckpointFilter, list_checkpoints
-from service.deps import (
+from service.api.deps import (
     ApiTokenDep,
     LeasesHeardDep,
     MetricNamesDep,
@@ -30,6 +29,7 @@ from service.deps import (
     SettingsDep,
     require_api,
 )
+from service.checkpoints.registry import CheckpointFilter, list_checkpoints
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
 from service.reads.compare import compare_runs

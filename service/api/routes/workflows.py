@@ -6,7 +6,7 @@ from fastapi import APIRouter, Body, Depends, Response, status
 
 from contracts.workflow import plan
 from service import access
-from service.deps import ApiTokenDep, SessionDep, SettingsDep, require_api
+from service.api.deps import ApiTokenDep, SessionDep, SettingsDep, require_api
 from service.runs.workflow import (
     add_workflow_owner,
     get_workflow,

@@ -1,8 +1,8 @@
 """The dashboard: `GET /` serves one static page (no token needed for the page itself); its
 scripts read the API with the token the user enters, kept in the browser's sessionStorage.
 
-Plain HTML, JavaScript and CSS under service/static/, no build step; the chart library (uPlot)
-is vendored under service/static/vendor/ by scripts/vendor_charts.sh. Everything is served by
+Plain HTML, JavaScript and CSS under service/api/static/, no build step; the chart library (uPlot)
+is vendored under service/api/static/vendor/ by scripts/vendor_charts.sh. Everything is served by
 this process, so the dashboard works offline.
 """
 

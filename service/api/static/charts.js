@@ -1,4 +1,4 @@
-// Charts, drawn by uPlot (service/static/vendor/uplot, loaded as the global `uPlot`).
+// Charts, drawn by uPlot (service/api/static/vendor/uplot, loaded as the global `uPlot`).
 
 const COLORS = {
   loss: "#1f4b99",

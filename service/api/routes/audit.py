@@ -11,8 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 
+from service.api.deps import SessionDep, require_admin
 from service.audit import ACTIONS
-from service.deps import SessionDep, require_admin
 from service.models import AuditEvent
 
 MAX_AUDIT_PAGE = 500

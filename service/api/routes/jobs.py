@@ -8,7 +8,7 @@ from fastapi import APIRouter, BackgroundTasks, Depends, Response, status
 from contracts.jobs import EvaluateRequest, InspectRequest, JobOutcome, PrepareRequest
 from contracts.jobs import Job as JobPublic
 from service import access, audit
-from service.deps import (
+from service.api.deps import (
     ApiTokenDep,
     PumpDep,
     SessionDep,
