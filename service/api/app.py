@@ -10,6 +10,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from service.api import observability
+from service.api.error_response import install_error_handlers
+from service.api.middleware import RefuseNul, RequestBodyLimit
 from service.api.observability import MetricsMiddleware, Observability
 from service.api.routes import (
     audit,
@@ -24,7 +26,6 @@ from service.api.routes import (
     workflows,
 )
 from service.db import make_engine, make_session_factory
-from service.errors import RefuseNul, RequestBodyLimit, install_error_handlers
 from service.settings import ServiceSettings
 from service.workers.dispatch import OutboxPump, make_celery
 from service.workers.reaper import Reaper

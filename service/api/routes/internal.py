@@ -36,8 +36,9 @@ from contracts.reports import (
     MetricBatch,
 )
 from service.api.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
+from service.api.middleware import PayloadTooLarge, answer_json
 from service.checkpoints.registry import pinned_steps
-from service.errors import PayloadTooLarge, answer_json, error_body
+from service.errors import error_body
 from service.models import utcnow
 from service.schemas import BatchAccepted, ItemErrorPublic
 from service.workers.fleet import note_attempt_worker, note_worker
