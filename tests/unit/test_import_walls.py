@@ -32,6 +32,26 @@ CLI_LAZY = {
     "prometheus_client",
 }
 
+# service/'s layers (docs/architecture.md): its top-level modules are the foundation, which
+# imports none of its subpackages; each subpackage may import what is named here, and itself.
+SERVICE_LAYERS: dict[str, set[str]] = {
+    "service": set(),
+    "service.checkpoints": {"service"},
+    "service.workers": {"service", "service.checkpoints"},
+    "service.runs": {"service", "service.checkpoints", "service.workers"},
+    # The read models never import the workers' side (the dispatcher, leases, the reaper).
+    "service.reads": {"service", "service.runs"},
+    "service.api": {
+        "service",
+        "service.checkpoints",
+        "service.workers",
+        "service.runs",
+        "service.reads",
+    },
+}
+# migrations/env.py builds on the foundation only (the engine, the models, the settings).
+MIGRATIONS_MAY_IMPORT = {"service"}
+
 
 def module_level(tree: ast.Module) -> Iterator[ast.AST]:
     """The nodes of a module outside its functions' bodies: what runs when it is imported."""
@@ -118,4 +138,60 @@ def test_the_cli_check_sees_what_runs_at_import_and_not_in_a_command(tmp_path: P
         "typer": {"runs.py"},
         "torch": {"runs.py"},
         "worker": {"runs.py"},
+    }
+
+
+def layer_of(module: str) -> str:
+    """The layer of service a dotted name lies in: its subpackage, or `service` (the
+    foundation); outside service, its top-level package."""
+    top = module.split(".")[0]
+    package = ".".join(module.split(".")[:2])
+    return package if package in SERVICE_LAYERS else top
+
+
+def service_layers_imported(path: Path) -> set[str]:
+    """The layers of service that the module at `path` imports, lazily or not."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+            # `from service import access`, `from service.api import observability`
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return {layer_of(n) for n in names if n == "service" or n.startswith("service.")}
+
+
+def layer_violations(root: Path, package: str, allowed: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{file of `package` under `root`: the layers of service it imports that its own layer
+    (`layer_of`) may not}; a file's own layer is always allowed."""
+    found = {}
+    for path in sorted((root / package).rglob("*.py")):
+        own = layer_of(".".join(path.relative_to(root).with_suffix("").parts))
+        refused = service_layers_imported(path) - allowed.get(own, set()) - {own}
+        if refused:
+            found[str(path.relative_to(root))] = refused
+    return found
+
+
+def test_service_layers_import_only_the_layers_below() -> None:
+    assert layer_violations(ROOT, "service", SERVICE_LAYERS) == {}
+
+
+def test_migrations_import_only_the_service_foundation() -> None:
+    assert layer_violations(ROOT, "migrations", {"migrations": MIGRATIONS_MAY_IMPORT}) == {}
+
+
+def test_the_layer_check_sees_lazy_imports_and_from_imports_of_a_layer(tmp_path: Path) -> None:
+    (tmp_path / "service" / "reads").mkdir(parents=True)
+    (tmp_path / "service" / "reads" / "series.py").write_text(
+        "from service import models\n"
+        "from service.runs.view import run_tags\n"
+        "def send():\n"
+        "    from service.workers import dispatch\n"
+    )
+    (tmp_path / "service" / "lifecycle.py").write_text("from service.api import app\n")
+    assert layer_violations(tmp_path, "service", SERVICE_LAYERS) == {
+        "service/lifecycle.py": {"service.api"},
+        "service/reads/series.py": {"service.workers"},
     }
