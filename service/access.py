@@ -32,7 +32,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from contracts.paths import DataRoots, PathUse
-from service.errors import ApiError
+from service.errors import ApiError, summarize_problems
 from service.models import ApiToken, Job, Run
 
 # Who may use the public API, by method: reads, and everything else.
@@ -110,14 +110,11 @@ def outside_roots(
     ]
     if not problems:
         return None
-    summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
-    if len(problems) > 3:
-        summary += f" (and {len(problems) - 3} more)"
     return ApiError(
         422,
         "path_outside_data_roots",
-        f"{where}: {summary}; put the files under a data root, or have the operator add "
-        "their folder to TRAINCTL_DATA_ROOTS",
+        f"{where}: {summarize_problems(problems)}; put the files under a data root, or have the "
+        "operator add their folder to TRAINCTL_DATA_ROOTS",
         problems,
     )
 

@@ -72,6 +72,15 @@ def validation_details(errors: Any) -> list[dict[str, str]]:
     return details
 
 
+def summarize_problems(problems: list[dict[str, Any]]) -> str:
+    """The first three `{path, message}` problems as `path: message; ...`, and how many more:
+    the sentence an error's message gives, its details holding them all."""
+    summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
+    if len(problems) > 3:
+        summary += f" (and {len(problems) - 3} more)"
+    return summary
+
+
 def database_unavailable(err: Exception) -> ApiError:
     return ApiError(
         503,

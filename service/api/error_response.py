@@ -25,6 +25,7 @@ from service.errors import (
     database_unavailable,
     error_body,
     is_retryable,
+    summarize_problems,
     validation_details,
 )
 
@@ -239,12 +240,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         details = validation_details(exc.errors())
-        summary = "; ".join(f"{d['path']}: {d['message']}" for d in details[:3])
-        more = f" (and {len(details) - 3} more)" if len(details) > 3 else ""
         return ErrorJSON(
             error_body(
                 "invalid_request",
-                f"{request.method} {request.url.path}: {summary}{more}",
+                f"{request.method} {request.url.path}: {summarize_problems(details)}",
                 details,
             ),
             status_code=422,

@@ -16,7 +16,7 @@ from contracts.signature import FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import devices_refusal
 from service.db import database_now
-from service.errors import ApiError
+from service.errors import ApiError, summarize_problems
 from service.lifecycle import (
     AttemptStatus,
     RunStatus,
@@ -126,9 +126,7 @@ def check_devices(*, run: Run, spec: WorkflowSpec, devices: int | None) -> None:
     ]
     if not problems:
         return
-    named = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
-    if len(problems) > 3:
-        named += f" (and {len(problems) - 3} more)"
+    named = summarize_problems(problems)
     raise ApiError(
         422,
         "invalid_devices",
@@ -160,7 +158,7 @@ def _run_active(run: Run, attempt: Attempt) -> ApiError:
     )
 
 
-def _refuse(session: Session, error: ApiError) -> NoReturn:
+def _roll_back_and_raise(session: Session, error: ApiError) -> NoReturn:
     """Roll back (releasing the locks) and raise `error`, built while its rows were loaded."""
     session.rollback()
     raise error
@@ -205,7 +203,7 @@ def resume_run(
     signature = resign(run=run, request=request, spec=spec, initial=initial)
     if signature.sha256 != run.signature:
         differences = diff_components(run.signature_components, signature.components)
-        _refuse(session, signature_mismatch(run_id=run.id, differences=differences))
+        _roll_back_and_raise(session, signature_mismatch(run_id=run.id, differences=differences))
     # What changed while hashing: a given initial checkpoint is looked up (and locked) again.
     recheck_initial_checkpoint(
         session=session, given=request.initial_checkpoint, hashed=initial, data_root=data_root
@@ -223,7 +221,7 @@ def resume_run(
     try:
         check_devices(run=run, spec=spec, devices=request.devices)
     except ApiError as err:
-        _refuse(session, err)
+        _roll_back_and_raise(session, err)
     if current is not None:
         now = database_now(session)  # leases are judged by the database's clock
         # Read, not locked: with the run locked no attempt can be added, and locking it would
@@ -231,17 +229,17 @@ def resume_run(
         newest = newest_attempt(session, run_id)
         if newest is not None and newest.id != current.id:
             # Another attempt was added while this request waited for the locks.
-            _refuse(session, _run_active(run, newest))
+            _roll_back_and_raise(session, _run_active(run, newest))
         if is_active(current, now):
-            _refuse(session, _run_active(run, current))
+            _roll_back_and_raise(session, _run_active(run, current))
         if current.status == AttemptStatus.RUNNING and not judge_leases:
             # The service could not hear its workers lately: a lapsed lease proves nothing
             # until the reaper's grace has run (service.workers.reaper.Reaper.hearing).
-            _refuse(session, _run_active(run, current))
+            _roll_back_and_raise(session, _run_active(run, current))
         if current.status == AttemptStatus.RUNNING and not expire_attempt(
             session=session, attempt=current, now=now
         ):
-            _refuse(session, _run_active(run, current))
+            _roll_back_and_raise(session, _run_active(run, current))
 
     if request.devices is not None:
         run.devices = request.devices

@@ -36,7 +36,7 @@ from runtime.path import path_problem, resolve_path
 from service.access import can_see, outside_roots
 from service.checkpoints.source import check_run_folders, stored_checkpoint
 from service.db import database_now, rowcount
-from service.errors import ApiError, not_found, validation_details
+from service.errors import ApiError, not_found, summarize_problems, validation_details
 from service.models import ApiToken, Job, OutboxMessage, new_job_id, utcnow
 
 log = logging.getLogger(__name__)
@@ -62,11 +62,9 @@ TOKENIZER_FILE = "tokenizer.json"
 # --- paths ---------------------------------------------------------------------------------
 
 
-def _refuse(where: str, problems: list[dict[str, str]]) -> ApiError:
-    summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems[:3])
-    if len(problems) > 3:
-        summary += f" (and {len(problems) - 3} more)"
-    return ApiError(422, "invalid_request", f"{where}: {summary}", problems)
+def _invalid_request(where: str, problems: list[dict[str, str]]) -> ApiError:
+    """422 `invalid_request` from `where`, naming each problem with its JSON path."""
+    return ApiError(422, "invalid_request", f"{where}: {summarize_problems(problems)}", problems)
 
 
 DataRequest = TypeVar("DataRequest", InspectRequest, PrepareRequest)
@@ -125,7 +123,7 @@ def resolve_dataset(
         if (why := path_problem(path, kind))
     ]
     if problems:
-        raise _refuse(route, problems)
+        raise _invalid_request(route, problems)
     return resolved
 
 
@@ -191,7 +189,7 @@ def resolve_evaluate(
             }
         )
     if problems:
-        raise _refuse("POST /evaluations", problems)
+        raise _invalid_request("POST /evaluations", problems)
     return resolved
 
 
@@ -269,25 +267,27 @@ def checked_outcome(kind: str, outcome: JobOutcome) -> tuple[dict[str, Any] | No
     (InspectionReport, contracts.reports.EvalResult), a failed job's message. 422 otherwise."""
     if outcome.status == "failed":
         if not (outcome.error or "").strip():
-            raise _refuse(
+            raise _invalid_request(
                 "a failed job's outcome", [{"path": "error", "message": "say why the job failed"}]
             )
         return None, outcome.error
     model = RESULT_MODELS[kind]
     if outcome.result is None:
         message = f"is required: a succeeded {kind} carries its {model.__name__}"
-        raise _refuse("a succeeded job's outcome", [{"path": "result", "message": message}])
+        raise _invalid_request(
+            "a succeeded job's outcome", [{"path": "result", "message": message}]
+        )
     try:
         result = model.model_validate(outcome.result).model_dump(mode="json")
     except ValidationError as err:
         errors = [{**e, "loc": ("body", "result", *e["loc"])} for e in err.errors()]
         where = f"a succeeded {kind}'s result is not an {model.__name__}"
-        raise _refuse(where, validation_details(errors)) from None
+        raise _invalid_request(where, validation_details(errors)) from None
     try:
         json.dumps(result, allow_nan=False)
     except ValueError:
         message = "holds a non-finite number (NaN or infinity), which JSON cannot carry"
-        raise _refuse(
+        raise _invalid_request(
             "a succeeded job's outcome", [{"path": "result", "message": message}]
         ) from None
     return result, None
