@@ -18,7 +18,7 @@ change always has one:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from sqlalchemy import event
 from sqlalchemy.orm import ORMExecuteState, Session
@@ -26,7 +26,8 @@ from sqlalchemy.orm import ORMExecuteState, Session
 from service.access import actor, client_address
 from service.models import ApiToken, AuditEvent, Job, Run, utcnow
 
-ACTIONS = (
+# What an event records, as `GET /audit?action=` names it.
+AuditAction = Literal[
     "run.create",
     "run.resume",
     "run.pause",
@@ -36,7 +37,8 @@ ACTIONS = (
     "token.create",
     "token.revoke",
     "token.rotate",
-)
+]
+ACTIONS: tuple[str, ...] = get_args(AuditAction)
 
 _EXPECTED = "trainctl.audit.expected"
 _WROTE = "trainctl.audit.wrote"
