@@ -27,14 +27,9 @@ from service.lifecycle import (
 )
 from service.models import Attempt, Run
 from service.runs.digest import resolve_digests
-from service.runs.initial_checkpoint import (
-    InitialCheckpoint,
-    recheck_initial_checkpoint,
-    resolve_initial_checkpoint,
-    sign_run,
-)
-from service.runs.run import get_run
-from service.runs.workflow import get_workflow, parse_workflow
+from service.runs.initial_checkpoint import InitialCheckpoint, recheck_initial_checkpoint, sign_run
+from service.runs.run import get_run, parse_inputs
+from service.runs.workflow import get_workflow
 from service.schemas import RunResume
 from service.workers.lease import digests_of, expire_attempt, is_active
 
@@ -77,17 +72,16 @@ def resume_inputs(
         doc = request.workflow
     else:
         doc = get_workflow(session=session, workflow_id=run.workflow_id).spec
-    spec = parse_workflow(doc, data_root=data_root, roots=roots, session=session, owner_id=owner_id)
-    if request.initial_checkpoint is None:
-        return spec, InitialCheckpoint.from_components(run.signature_components)
-    initial = resolve_initial_checkpoint(
+    spec, initial = parse_inputs(
         session=session,
+        doc=doc,
         given=request.initial_checkpoint,
         data_root=data_root,
         roots=roots,
-        spec=spec,
         owner_id=owner_id,
     )
+    if request.initial_checkpoint is None:
+        return spec, InitialCheckpoint.from_components(run.signature_components)
     return spec, initial
 
 

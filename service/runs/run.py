@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -33,7 +34,7 @@ from service.runs.workflow import (
     save_workflow,
     stored_pretrained,
 )
-from service.schemas import RunCreate, RunUpdate
+from service.schemas import InitialCheckpointIn, RunCreate, RunUpdate
 
 
 def request_sha256(request: RunCreate) -> str:
@@ -78,12 +79,35 @@ def _run_inputs(
     else:
         assert request.workflow_id is not None
         doc = get_workflow(session=session, workflow_id=request.workflow_id, owner_id=owner_id).spec
+    return parse_inputs(
+        session=session,
+        doc=doc,
+        given=request.initial_checkpoint,
+        data_root=data_root,
+        roots=roots,
+        owner_id=owner_id,
+    )
+
+
+def parse_inputs(
+    *,
+    session: Session,
+    doc: Any,
+    given: InitialCheckpointIn | None,
+    data_root: Path,
+    roots: DataRoots | None,
+    owner_id: str | None,
+) -> tuple[WorkflowSpec, InitialCheckpoint | None]:
+    """The workflow document parsed (parse_workflow) and the initial checkpoint `given`
+    resolved and checked against it (resolve_initial_checkpoint; None when none is given),
+    their paths inside `roots` (default: data_root alone), another run's checkpoint only of a
+    run `owner_id` (the caller's scope) may see. Reads the database; hashes nothing."""
     spec = parse_workflow(doc, data_root=data_root, roots=roots, session=session, owner_id=owner_id)
-    if request.initial_checkpoint is None:
+    if given is None:
         return spec, None
     initial = resolve_initial_checkpoint(
         session=session,
-        given=request.initial_checkpoint,
+        given=given,
         data_root=data_root,
         roots=roots,
         spec=spec,
