@@ -81,7 +81,12 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, observability=app.state.observability)
     app.add_middleware(RequestBodyLimit)
-    app.add_middleware(internal.BodyLimit)
+    app.add_middleware(
+        RequestBodyLimit,
+        prefix=internal.PREFIX,
+        max_bytes=internal.MAX_BODY_BYTES,
+        message=internal.too_large,
+    )
     app.add_middleware(RefuseNul)
     for module in (
         health,

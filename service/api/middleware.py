@@ -4,6 +4,7 @@ the URL (`RefuseNul`), a request body over the byte limit (`RequestBodyLimit`)."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -54,32 +55,41 @@ class RefuseNul:
 
 
 # The most bytes one request body may hold, on every route: a workflow document, a job
-# request, a worker's batch (routes/internal.py keeps its own limit, the same today). What is
+# request, a worker's batch (routes/internal.py sets its own limit, the same today). What is
 # over it is never read into memory, let alone parsed.
 MAX_REQUEST_BYTES = 1 << 20
 
 
+def _too_large(size: int | None, limit: int) -> str:
+    told = f"{size} bytes" if size is not None else "the body"
+    return (
+        f"{told} exceed the limit of {limit} bytes per request; a workflow or a "
+        "request this large is not one this service takes"
+    )
+
+
 class RequestBodyLimit:
-    """ASGI middleware: 413 `payload_too_large` for a body over `max_bytes` on any route, by
-    its Content-Length when it has one, else (chunked) as soon as the bytes read pass it."""
+    """ASGI middleware: 413 `payload_too_large` for a body over `max_bytes` on the paths under
+    `prefix` (every route by default), by its Content-Length when it has one, else (chunked) as
+    soon as the bytes read pass it. `message(size, max_bytes)` says so (size None: chunked)."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int = MAX_REQUEST_BYTES) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    def _message(self, told: int | None) -> str:
-        size = f"{told} bytes" if told is not None else "the body"
-        return (
-            f"{size} exceed the limit of {self.max_bytes} bytes per request; a workflow or a "
-            "request this large is not one this service takes"
-        )
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int = MAX_REQUEST_BYTES,
+        prefix: str = "",
+        message: Callable[[int | None, int], str] = _too_large,
+    ) -> None:
+        self.app, self.max_bytes, self.prefix, self.message = app, max_bytes, prefix, message
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            body = error_body(PayloadTooLarge.code, self._message(int(declared)))
+            body = error_body(PayloadTooLarge.code, self.message(int(declared), self.max_bytes))
             await answer_json(send, 413, body)
             return
         received = 0
@@ -89,7 +99,7 @@ class RequestBodyLimit:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                raise PayloadTooLarge(self._message(None))
+                raise PayloadTooLarge(self.message(None, self.max_bytes))
             return message
 
         await self.app(scope, limited, send)

@@ -19,7 +19,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, BackgroundTasks, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.reports import (
     MAX_REPORT_BYTES,
@@ -36,9 +35,7 @@ from contracts.reports import (
     MetricBatch,
 )
 from service.api.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
-from service.api.middleware import PayloadTooLarge, answer_json
 from service.checkpoints.registry import pinned_steps
-from service.errors import error_body
 from service.models import utcnow
 from service.schemas import BatchAccepted, ItemErrorPublic
 from service.workers.fleet import note_attempt_worker, note_worker
@@ -55,43 +52,13 @@ PREFIX = "/internal/"
 MAX_BODY_BYTES = MAX_REPORT_BYTES
 
 
-def _too_large(size: int | None, limit: int) -> str:
+def too_large(size: int | None, limit: int) -> str:
+    """The 413's message for a body of `size` bytes (None: chunked) over `limit` under PREFIX
+    (service.api.middleware.RequestBodyLimit answers it)."""
     told = f"{size} bytes" if size is not None else "a body"
     return (
         f"{told} exceed the limit of {limit} bytes per request to {PREFIX}...; send smaller batches"
     )
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a body over `max_bytes` on paths under `prefix`, by its
-    Content-Length when it has one, else (chunked) as soon as the bytes read pass the limit."""
-
-    def __init__(self, app: ASGIApp, *, prefix: str = PREFIX, max_bytes: int = MAX_BODY_BYTES):
-        self.app, self.prefix, self.max_bytes = app, prefix, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await answer_json(
-                send,
-                413,
-                error_body(PayloadTooLarge.code, _too_large(int(declared), self.max_bytes)),
-            )
-            return
-        received = 0
-
-        async def limited() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise PayloadTooLarge(_too_large(None, self.max_bytes))
-            return message
-
-        await self.app(scope, limited, send)
 
 
 router = APIRouter(

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Response, status
+from pydantic import BaseModel
+from sqlalchemy.orm import Session
 
-from contracts.jobs import EvaluateRequest, InspectRequest, JobOutcome, PrepareRequest
+from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome, PrepareRequest
 from contracts.jobs import Job as JobPublic
 from service import access, audit
 from service.api.deps import (
@@ -17,7 +19,6 @@ from service.api.deps import (
     require_api,
     require_worker,
 )
-from service.models import Job
 from service.workers.dispatch import OutboxPump
 from service.workers.job import (
     PUBLIC,
@@ -38,10 +39,21 @@ internal = APIRouter(
 )
 
 
-def _accepted(job: Job, response: Response, background: BackgroundTasks, pump: OutboxPump) -> None:
+def _queue(
+    session: Session,
+    kind: JobKind,
+    request: BaseModel,
+    response: Response,
+    background: BackgroundTasks,
+    pump: OutboxPump,
+) -> JobPublic:
+    """Store the job with its audit event and outbox row, and answer it with its Location."""
+    audit.expect(session, "job.create", details={"kind": kind})
+    job = create_job(session=session, kind=kind, request=request)
     response.headers["Location"] = f"{PUBLIC[job.kind][0]}/{job.id}"
     # After the response: a slow or dead broker never delays or fails the submission.
     background.add_task(pump.dispatch)
+    return job_public(job)
 
 
 @public.post("/datasets/inspect", status_code=status.HTTP_202_ACCEPTED)
@@ -66,10 +78,7 @@ def inspect_dataset(
         session=session,
         owner_id=access.owner_filter(token),
     )
-    audit.expect(session, "job.create", details={"kind": "inspection"})
-    job = create_job(session=session, kind="inspection", request=request)
-    _accepted(job, response, background, pump)
-    return job_public(job)
+    return _queue(session, "inspection", request, response, background, pump)
 
 
 @public.get("/datasets/inspections/{job_id}")
@@ -98,10 +107,7 @@ def prepare_dataset(
         session=session,
         owner_id=access.owner_filter(token),
     )
-    audit.expect(session, "job.create", details={"kind": "preparation"})
-    job = create_job(session=session, kind="preparation", request=request)
-    _accepted(job, response, background, pump)
-    return job_public(job)
+    return _queue(session, "preparation", request, response, background, pump)
 
 
 @public.get("/datasets/preparations/{job_id}")
@@ -129,10 +135,7 @@ def evaluate_checkpoint(
         session=session,
         owner_id=access.owner_filter(token),
     )
-    audit.expect(session, "job.create", details={"kind": "evaluation"})
-    job = create_job(session=session, kind="evaluation", request=request)
-    _accepted(job, response, background, pump)
-    return job_public(job)
+    return _queue(session, "evaluation", request, response, background, pump)
 
 
 @public.get("/evaluations/{job_id}")
