@@ -2,6 +2,9 @@
 (migrations/); these classes must stay in step with the latest revision.
 
 Types are portable (JSON, not JSONB) so one migration runs on Postgres and on SQLite.
+
+Every table is here, over 450 lines: the schema is read whole beside the migrations that make
+it, and a table split from the others would hide the keys and constraints between them.
 """
 
 from __future__ import annotations
