@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -14,6 +12,9 @@ from rich.markup import escape
 
 from cli.client import ApiClient, ApiError
 from cli.config import get_settings
+
+if TYPE_CHECKING:
+    from contracts.workflow import WorkflowInvalid
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_API = 1, 2, 3
 
@@ -35,6 +36,13 @@ def fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+def refuse_workflow(path: Path, err: WorkflowInvalid) -> typer.Exit:
+    """Print every problem of the workflow file at `path`, one a line; the exit (2) to raise."""
+    for problem in err.problems:
+        err_console.print(f"[red]{path}[/red] {problem.path}: {problem.message}")
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
 def call(method: str, path: str, **kwargs: Any) -> Any:
     try:
         with client() as api:
@@ -42,29 +50,6 @@ def call(method: str, path: str, **kwargs: Any) -> Any:
     except ApiError as err:
         detail = f"\n{json.dumps(err.details, indent=2)}" if err.details else ""
         raise fail(f"{err.message} [{err.code}]{detail}", EXIT_API) from err
-
-
-def wait_for_job(path: str, *, timeout: float, poll: float = 0.5) -> dict[str, Any]:
-    """Poll a job (`/datasets/inspections/<id>`, `/datasets/preparations/<id>`,
-    `/evaluations/<id>`) until it finishes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        job: dict[str, Any] = call("GET", path)
-        if job["status"] in ("succeeded", "failed"):
-            return job
-        if time.monotonic() > deadline:
-            raise fail(f"{path} still {job['status']} after {timeout:.0f} s", EXIT_FAILED)
-        time.sleep(poll)
-
-
-def local(action: Callable[[], Any]) -> Any:
-    """Run a worker-side function here, turning its data/config errors into exit code 2."""
-    from worker.error import TrainingError
-
-    try:
-        return action()
-    except TrainingError as err:
-        raise fail(str(err), EXIT_BAD_INPUT) from err
 
 
 def load_workflow(path: Path) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from typing import Literal
 # The environment variable both sides read, and what separates its folders.
 ROOTS_VARIABLE = "TRAINCTL_DATA_ROOTS"
 SEPARATOR = os.pathsep
-# Under the artifact root: the folder of runs' checkpoints (service.lease: <root>/runs/<run>).
+# Under the artifact root: the folder of runs' checkpoints (service.workers.lease:
+# <root>/runs/<run>).
 RUNS_FOLDER = "runs"
 
 # What a path names: data (a data file, a tokenizer) or a checkpoint (weights and config).

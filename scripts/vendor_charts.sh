@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-fetch the dashboard's chart library (uPlot, MIT) from the npm registry into
-# service/static/vendor/uplot/: the minified browser build, its stylesheet and its LICENSE.
+# service/api/static/vendor/uplot/: the minified browser build, its stylesheet and its LICENSE.
 # Pinned: the package tarball must match SHA256 (the registry's own sha512 integrity for this
 # version is sha512-KIMVnG68zvu5XXUbC4LQEPnhwOxBuLyW1AHtpm6IKTXImkbLgkMy+jabjLgSLMasNuGGzQm/ep3tOkyTxpiQIw==).
 # To upgrade: set VERSION and SHA256 below to the new version and its tarball's sha256 (check
@@ -12,7 +12,7 @@ VERSION=1.6.32
 SHA256=4b8a8191e425658e3ea8c8c1314b0fc679c861ee3a1af2b20c7b16ba50b5133d
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-dest="$root/service/static/vendor/uplot"
+dest="$root/service/api/static/vendor/uplot"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

@@ -1,4 +1,4 @@
-"""Who may do what: token roles, and the owners of runs and jobs.
+"""Who may do what: token roles, the owners of runs and jobs, and the data roots paths lie in.
 
 Roles (ApiToken.role):
 - `admin`: the whole public API, tokens (`/tokens`) and the audit trail (`/audit`) included.
@@ -6,7 +6,7 @@ Roles (ApiToken.role):
   job answers 404 on every route that takes its id, as if it did not exist, and lists show
   only its own.
 - `viewer`: reads everything (GET), changes nothing: every other method is 403.
-- `worker`: `/internal/...` only (service.lease scopes it further to what it claimed).
+- `worker`: `/internal/...` only (service.workers.lease scopes it further to what it claimed).
 
 A run or job records its owner, the id of the token that created it: the authenticated token
 rides on the request's session (`set_actor`), and a `before_flush` hook stamps it on every new
@@ -14,9 +14,14 @@ run and job, so the functions that create them need not know about owners. Rows 
 owners were recorded (migration 0010) have no owner: admins and viewers see them, no user does.
 Ownership is by token id, which rotation keeps: a rotated token keeps its runs.
 
-Workflows are content-addressed, so they are owned by a relation (models.WorkflowOwner): every
-token that stored or ran one; a user sees those (service.workflow.get_workflow with
-`owner_filter`). Functions below the routes take that filter as `owner_id`, as list_runs does.
+Workflows are content-addressed, so they are owned by a relation (models.WorkflowOwner): every token
+that stored or ran one; a user sees those (service.runs.workflow.get_workflow with `owner_filter`).
+Functions below the routes take that filter as `owner_id`, as list_runs does, and load one row for a
+token with `can_see` (service.runs.run.run_for, service.workers.job.job_for).
+
+Paths: every path a request names must resolve inside the data roots (TRAINCTL_DATA_ROOTS);
+`outside_roots` names each one that does not. A path into a run's folder of the artifact store
+is that run's, seen only by who may see the run (service.checkpoints.source.check_run_folders).
 """
 
 from __future__ import annotations
@@ -26,10 +31,9 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from service.errors import ApiError, not_found
-from service.job import PUBLIC, get_job
+from contracts.paths import DataRoots, PathUse
+from service.errors import ApiError, summarize_problems
 from service.models import ApiToken, Job, Run
-from service.run import get_run
 
 # Who may use the public API, by method: reads, and everything else.
 READ_ROLES = frozenset({"admin", "user", "viewer"})
@@ -89,21 +93,30 @@ def can_see(token: ApiToken, owner_id: str | None) -> bool:
     return sees_everything(token) or (owner_id is not None and owner_id == token.id)
 
 
-def run_for(session: Session, token: ApiToken, run_id: str) -> Run:
-    """The run, or 404 `run_not_found` when it does not exist or `token` may not see it (the
-    same answer in both cases)."""
-    run = session.get(Run, run_id)
-    if run is None or not can_see(token, run.owner_id):
-        raise not_found("run", run_id, "list runs with GET /runs")
-    return get_run(session=session, run_id=run_id)
-
-
-def job_for(session: Session, token: ApiToken, job_id: str, kind: str) -> Job:
-    """The job of `kind`, or its 404 when it does not exist or `token` may not see it."""
-    job = get_job(session=session, job_id=job_id, kind=kind)  # type: ignore[arg-type]
-    if not can_see(token, job.owner_id):
-        raise not_found(kind, job_id, PUBLIC[kind][1])
-    return job
+def outside_roots(
+    fields: list[tuple[str, str, PathUse]], roots: DataRoots, *, where: str
+) -> ApiError | None:
+    """422 `path_outside_data_roots` naming each (JSON path, resolved path) of `fields` that
+    `roots` refuses, with the path and the roots in its details; None when all may be read."""
+    problems = [
+        {
+            "path": field,
+            "message": why,
+            "value": value,
+            "roots": [str(r) for r in roots.allowed(use)],
+        }
+        for field, value, use in fields
+        if (why := roots.refusal(value, use))
+    ]
+    if not problems:
+        return None
+    return ApiError(
+        422,
+        "path_outside_data_roots",
+        f"{where}: {summarize_problems(problems)}; put the files under a data root, or have the "
+        "operator add their folder to TRAINCTL_DATA_ROOTS",
+        problems,
+    )
 
 
 @event.listens_for(Session, "before_flush")

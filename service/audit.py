@@ -6,19 +6,19 @@ token creation, revocation and rotation. An event is written in the transaction 
 it records, so a change that rolls back (a 409, a crash) leaves no event, and a committed
 change always has one:
 
-- Token changes (service.tokens) add their event themselves (`record`).
-- Run and job changes are made by functions that know nothing of auditing and commit when they
-  are done (service.run, service.resume, service.control, service.job). Their route announces
-  the change first (`expect`); a `before_commit` hook adds the event to the first commit of the
-  request's session that writes anything. A commit that only ends a read (create_run commits
-  before hashing) or a no-op that rolls back (pausing a paused run) writes nothing and records
-  nothing. For a creation the target is the run or job the transaction inserted.
+- Token changes (service.auth) add their event themselves (`record`).
+- Run and job changes are made by functions that know nothing of auditing and commit when they are
+  done (service.runs.run, service.runs.resume, service.runs.control, service.workers.job). Their
+  route announces the change first (`expect`); a `before_commit` hook adds the event to the first
+  commit of the request's session that writes anything. A commit that only ends a read (create_run
+  commits before hashing) or a no-op that rolls back (pausing a paused run) writes nothing and
+  records nothing. For a creation the target is the run or job the transaction inserted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from sqlalchemy import event
 from sqlalchemy.orm import ORMExecuteState, Session
@@ -26,7 +26,8 @@ from sqlalchemy.orm import ORMExecuteState, Session
 from service.access import actor, client_address
 from service.models import ApiToken, AuditEvent, Job, Run, utcnow
 
-ACTIONS = (
+# What an event records, as `GET /audit?action=` names it.
+AuditAction = Literal[
     "run.create",
     "run.resume",
     "run.pause",
@@ -36,7 +37,8 @@ ACTIONS = (
     "token.create",
     "token.revoke",
     "token.rotate",
-)
+]
+ACTIONS: tuple[str, ...] = get_args(AuditAction)
 
 _EXPECTED = "trainctl.audit.expected"
 _WROTE = "trainctl.audit.wrote"

@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import audit
+from service.audit import AuditAction
 from service.db import make_engine, make_session_factory
 from service.errors import ApiError, not_found
 from service.models import ApiToken, TokenRole, utcnow
@@ -35,6 +36,25 @@ def hash_token(token: str) -> str:
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def _record(
+    session: Session,
+    action: AuditAction,
+    row: ApiToken,
+    *,
+    actor_name: str | None,
+    address: str | None,
+) -> None:
+    """The audit event of a change to the token `row`, naming it and its role."""
+    audit.record(
+        session,
+        action,
+        row.id,
+        details={"name": row.name, "role": row.role},
+        actor_name=actor_name,
+        address=address,
+    )
 
 
 def create_token(
@@ -65,14 +85,7 @@ def issue_token(
     row = ApiToken(name=name, role=role, token_sha256=hash_token(token))
     session.add(row)
     session.flush()
-    audit.record(
-        session,
-        "token.create",
-        row.id,
-        details={"name": name, "role": role},
-        actor_name=actor_name,
-        address=address,
-    )
+    _record(session, "token.create", row, actor_name=actor_name, address=address)
     session.commit()
     return row, token
 
@@ -94,8 +107,9 @@ def list_tokens(*, session: Session, revoked: bool = False) -> list[ApiToken]:
     return list(session.scalars(query))
 
 
-def get_token(*, session: Session, token_id: str) -> ApiToken:
-    row = session.get(ApiToken, token_id)
+def get_token(*, session: Session, token_id: str, lock: bool = False) -> ApiToken:
+    """The token; 404 `token_not_found`. With `lock`, its row stays locked until commit."""
+    row = session.get(ApiToken, token_id, with_for_update=lock)
     if row is None:
         raise not_found("token", token_id, "list tokens with GET /tokens")
     return row
@@ -105,19 +119,10 @@ def revoke_token(
     *, session: Session, token_id: str, actor_name: str | None = None, address: str | None = None
 ) -> ApiToken:
     """Revoke the token and commit with its audit event; a revoked token again is a no-op."""
-    row = session.get(ApiToken, token_id, with_for_update=True)
-    if row is None:
-        raise not_found("token", token_id, "list tokens with GET /tokens")
+    row = get_token(session=session, token_id=token_id, lock=True)
     if row.revoked_at is None:
         row.revoked_at = utcnow()
-        audit.record(
-            session,
-            "token.revoke",
-            row.id,
-            details={"name": row.name, "role": row.role},
-            actor_name=actor_name,
-            address=address,
-        )
+        _record(session, "token.revoke", row, actor_name=actor_name, address=address)
     session.commit()
     return row
 
@@ -128,9 +133,7 @@ def rotate_token(
     """Give the token a new secret and commit with its audit event; return the row and the
     new secret. The old secret is refused from the next request on; id, name, role and what the
     token owns stay. 409 `token_revoked` for a revoked token."""
-    row = session.get(ApiToken, token_id, with_for_update=True)
-    if row is None:
-        raise not_found("token", token_id, "list tokens with GET /tokens")
+    row = get_token(session=session, token_id=token_id, lock=True)
     if row.revoked_at is not None:
         session.rollback()
         raise ApiError(
@@ -142,14 +145,7 @@ def rotate_token(
     token = new_token()
     row.token_sha256 = hash_token(token)
     row.rotated_at = utcnow()
-    audit.record(
-        session,
-        "token.rotate",
-        row.id,
-        details={"name": row.name, "role": row.role},
-        actor_name=actor_name,
-        address=address,
-    )
+    _record(session, "token.rotate", row, actor_name=actor_name, address=address)
     session.commit()
     return row, token
 

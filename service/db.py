@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -56,11 +57,17 @@ def make_session_factory(engine: Engine | str) -> sessionmaker[Session]:
 
 
 def migrations_dir() -> Path:
-    import migrations
-
-    # __path__, not __file__: an editable install made before migrations/__init__.py existed
-    # imports it as a namespace package, which has no __file__.
-    return Path(next(iter(migrations.__path__))).resolve()
+    """Where the `migrations` package lies, found without importing it: its env.py imports
+    this package, and the arrow runs one way (migrations -> service). find_spec of a top-level
+    name runs none of the package's code."""
+    spec = importlib.util.find_spec("migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the `migrations` package is not installed beside `service`; reinstall trainctl"
+        )
+    # Its search locations, not its origin: an editable install made before
+    # migrations/__init__.py existed finds it as a namespace package, which has no file.
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def alembic_config(url: str) -> Any:

@@ -2,6 +2,9 @@
 (migrations/); these classes must stay in step with the latest revision.
 
 Types are portable (JSON, not JSONB) so one migration runs on Postgres and on SQLite.
+
+Every table is here, over 450 lines: the schema is read whole beside the migrations that make
+it, and a table split from the others would hide the keys and constraints between them.
 """
 
 from __future__ import annotations
@@ -134,7 +137,7 @@ class Workflow(Base):
 class WorkflowOwner(Base):
     """A token that stored or ran a workflow (POST /workflows, POST /runs). Workflows are
     content-addressed, one row per document, so two owners may hold the same one: to a user
-    token, a workflow is its own when a row names it (service.workflow.get_workflow)."""
+    token, a workflow is its own when a row names it (service.runs.workflow.get_workflow)."""
 
     __tablename__ = "workflow_owners"
 
@@ -249,8 +252,8 @@ class Attempt(Base):
     cause: Mapped[str | None] = mapped_column(String(32))
     message: Mapped[str | None] = mapped_column(Text)
     # How many times its message was sent again while it stayed queued: no worker claimed it
-    # within TRAINCTL_REDISPATCH_SECONDS though one was free (service.dispatch.
-    # redispatch_unclaimed).
+    # within TRAINCTL_REDISPATCH_SECONDS though one was free (service.workers.dispatch
+    # .redispatch_unclaimed).
     redispatches: Mapped[int] = mapped_column(default=0, server_default=text("0"))
 
 
@@ -284,7 +287,7 @@ class MetricPoint(Base):
 
     __tablename__ = "metrics"
     __table_args__ = (
-        # Thinned reads (service.series.thin_series): the points whose step is a multiple of
+        # Thinned reads (service.reads.series.thin_series): the points whose step is a multiple of
         # 2^k, for any k, are one range of this index, ordered by (run, name, largest power of
         # two dividing the step). `value` rides along so Postgres answers from the index alone.
         Index(
@@ -298,12 +301,12 @@ class MetricPoint(Base):
     )
 
     # No foreign keys: a trigger and a lookup per row were most of an ingest's cost (migration
-    # 0013). A batch is written only after its attempt was found and locked (service.lease.fence),
-    # and a trigger on `runs` deletes a run's points with it.
+    # 0013). A batch is written only after its attempt was found and locked
+    # (service.workers.lease.fence), and a trigger on `runs` deletes a run's points with it.
     run_id: Mapped[str] = mapped_column(String(MAX_ID), primary_key=True)
     name: Mapped[str] = mapped_column(String(MAX_NAME), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True)
-    # Non-finite points are refused per item (service.report.point_error); NULL is left only
+    # Non-finite points are refused per item (service.workers.report.point_error); NULL is left only
     # in rows stored before that, when NaN and inf were kept as NULL.
     value: Mapped[float | None] = mapped_column(Float)
     attempt_id: Mapped[str] = mapped_column(String(MAX_ID))
@@ -354,9 +357,9 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
-    # How many times its message went out to the broker (service.dispatch.dispatch_pending):
+    # How many times its message went out to the broker (service.workers.dispatch.dispatch_pending):
     # the first send, and each one after a worker went silent on it. Past
-    # TRAINCTL_JOB_MAX_DELIVERIES it fails (service.job.fail_exhausted_jobs).
+    # TRAINCTL_JOB_MAX_DELIVERIES it fails (service.workers.job.fail_exhausted_jobs).
     deliveries: Mapped[int] = mapped_column(default=0, server_default=text("0"))
 
 
@@ -368,7 +371,7 @@ class OutboxMessage(Base):
     __tablename__ = "outbox"
     __table_args__ = (
         Index("ix_outbox_sent_at", "sent_at"),
-        # When an attempt's last message went out (service.dispatch.redispatch_unclaimed).
+        # When an attempt's last message went out (service.workers.dispatch.redispatch_unclaimed).
         Index("ix_outbox_attempt_id", "attempt_id"),
         CheckConstraint("(attempt_id IS NULL) <> (job_id IS NULL)", name="one_target"),
     )
@@ -448,7 +451,7 @@ class Worker(Base):
 class ReaperState(Base):
     """One row (`id` 1): when a reaper pass of any replica last reached the database
     (`heard_at`, by the database's clock). A pass that owes grace gives running leases back
-    the time since then that no pass heard (service/reaper.py); NULL: none ever did."""
+    the time since then that no pass heard (service/workers/reaper.py); NULL: none ever did."""
 
     __tablename__ = "reaper_state"
 

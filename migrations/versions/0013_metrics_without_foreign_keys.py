@@ -8,7 +8,7 @@ Metric points are the one table written at the rate of training: every step of e
 two foreign keys (to `runs` and `attempts`) cost a trigger and a locking lookup per row, and
 measured here they were most of an ingest: Postgres took 42,000 rows/s by COPY with them and
 110,000 without (bench/metrics_reads.py). What they guarded is guarded where the points are
-written: a batch is stored only after `service.lease.fence` has found and locked its running
+written: a batch is stored only after `service.workers.lease.fence` has found and locked its running
 attempt (and so its run) in the same transaction.
 
 What they also did, delete a run's points with the run, a trigger on `runs` does now (once per

@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from psycopg import sql
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.app import create_app
+from service.api.app import create_app
 from service.auth import create_token
 from service.db import make_engine, make_session_factory, upgrade_database
 from service.settings import ServiceSettings

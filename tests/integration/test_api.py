@@ -17,12 +17,12 @@ from weights import write_weights_file
 
 from contracts.dispatch import RUN_PHASE_TASK
 from contracts.reports import Claim, ClaimRequest
-from service.app import create_app
+from service.api.app import create_app
 from service.auth import find_token
 from service.errors import ApiError
-from service.lease import claim_attempt
 from service.models import Attempt, MetricPoint, OutboxMessage, Run, Workflow
 from service.settings import ServiceSettings
+from service.workers.lease import claim_attempt
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory

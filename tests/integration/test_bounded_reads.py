@@ -23,10 +23,10 @@ from sqlalchemy import Engine, event, text, update
 from sqlalchemy.orm import Session
 
 from contracts.bounds import MAX_COUNT
+from service.api.routes.events import MAX_ROWS_PER_EVENT, RunEvents, StepCursor
 from service.db import make_engine
 from service.models import Run, utcnow
-from service.routes.events import MAX_ROWS_PER_EVENT, RunEvents, StepCursor
-from service.series import metric_columns, metric_series_json
+from service.reads.series import metric_columns, metric_series_json
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from psycopg import sql
 
 from contracts.bounds import MAX_COUNT
-from service.app import create_app
+from service.api.app import create_app
 from service.auth import create_token
 from service.db import make_session_factory, upgrade_database
 from service.settings import ServiceSettings

@@ -16,7 +16,7 @@ from test_api import Worker, get_run, submit
 from contracts.reports import Finish
 from service.auth import find_token
 from service.models import Attempt
-from service.report import finish_attempt
+from service.workers.report import finish_attempt
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory

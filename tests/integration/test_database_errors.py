@@ -1,7 +1,7 @@
 """`service.errors.is_unavailable` on real Postgres errors. SQLAlchemy raises OperationalError
 for a database that cannot be reached and for a statement the database cut short (a deadlock,
 a statement or lock timeout) alike; only the first is unavailability, the deafness for which
-the reaper grants grace (service/reaper.py). Each error here is made by a real server."""
+the reaper grants grace (service/workers/reaper.py). Each error here is made by a real server."""
 
 from __future__ import annotations
 

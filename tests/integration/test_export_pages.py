@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import text
 
 from service.db import make_engine, make_session_factory, upgrade_database
-from service.export import metrics_csv
-from service.series import metric_columns
+from service.reads.export import metrics_csv
+from service.reads.series import metric_columns
 
 pytestmark = pytest.mark.integration
 

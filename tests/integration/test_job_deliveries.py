@@ -14,7 +14,7 @@ import pytest
 from test_api import assert_error, message_args, queued_messages
 
 from service.models import utcnow
-from service.reaper import Reaper
+from service.workers.reaper import Reaper
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory

@@ -19,9 +19,9 @@ from contracts.reports import ClaimRequest
 from service import models
 from service.auth import create_token
 from service.db import make_session_factory, normalize_url
-from service.lease import lease_end
 from service.models import Attempt, Checkpoint, ReaperState, Run, utcnow
-from service.reaper import Reaper, reap_expired
+from service.workers.lease import lease_end
+from service.workers.reaper import Reaper, reap_expired
 from worker.link.client import ServiceClient, ServiceUnavailable
 from worker.process.claim import claim_request
 

@@ -19,7 +19,7 @@ from procs import Stack, processes
 from weights import write_model_dir
 
 from contracts.bounds import MAX_NAME
-from service.series import MAX_SERIES_PER_READ
+from service.reads.series import MAX_SERIES_PER_READ
 
 if TYPE_CHECKING:
     from conftest import WorkflowFactory
@@ -150,7 +150,7 @@ def test_an_event_stream_ends_soon_after_its_token_is_revoked(
 
         revoked = crowd.admin.delete(f"/tokens/{crowd.ids['alice']}")
         assert revoked.status_code == 200, revoked.text
-        # The stream re-checks its token every few seconds (service/routes/events.py), and a
+        # The stream re-checks its token every few seconds (service/api/routes/events.py), and a
         # queued run's stream has nothing else to end it: only the revocation can.
         assert stream.closed.wait(timeout=30), "the stream went on after its token was revoked"
         assert list(stream.events.queue)[-1] == "error", stream.lines

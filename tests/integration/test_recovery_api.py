@@ -27,9 +27,9 @@ from test_api import (
 )
 
 from contracts.reports import MAX_POINTS_PER_BATCH
-from service.app import create_app
+from service.api.app import create_app
 from service.models import Attempt, utcnow
-from service.reaper import Reaper, reap_expired
+from service.workers.reaper import Reaper, reap_expired
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory

@@ -19,8 +19,8 @@ from sqlalchemy import select
 from test_api import Worker, message_args, queued_messages, submit
 
 from contracts.dispatch import devices_queue
-from service.dispatch import redispatch_unclaimed
 from service.models import OutboxMessage, utcnow
+from service.workers.dispatch import redispatch_unclaimed
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory

@@ -16,8 +16,9 @@ import redis
 from sqlalchemy import select
 from test_api import Worker, assert_error, current_attempt, get_run, message_args, submit
 
-from cli.main import devices_text, waiting_text
+from cli.runs import waiting_text
 from cli.watch import _fields, waiting_reason
+from cli.workers import devices_text
 from contracts.dispatch import devices_queue
 from service.models import Attempt
 
@@ -331,14 +332,15 @@ def cli_on(api: Api, monkeypatch: pytest.MonkeyPatch) -> Any:
     """`trainctl` (typer's runner) whose API calls go to `api` with its admin token."""
     from typer.testing import CliRunner
 
-    from cli import main
+    from cli import main, runs, workers
 
     def call(method: str, path: str, **kwargs: Any) -> Any:
         response = api.client.request(method, path, headers=api.admin, **kwargs)
         assert response.status_code < 400, response.text
         return response.json()
 
-    monkeypatch.setattr(main, "call", call)
+    monkeypatch.setattr(runs, "call", call)
+    monkeypatch.setattr(workers, "call", call)
     runner = CliRunner()
 
     def run(*args: str) -> str:

@@ -1,6 +1,6 @@
 """Small stand-in weights for tests whose service only checks and hashes checkpoints: real
-safetensors (service.checkpoint reads their header) whose token embedding fits the model of
-conftest.tiny_workflow (vocab_size 256; the rest left to defaults, so any hidden size)."""
+safetensors (service.checkpoints.weights reads their header) whose token embedding fits the
+model of conftest.tiny_workflow (vocab_size 256; the rest left to defaults, so any hidden size)."""
 
 from __future__ import annotations
 

@@ -15,12 +15,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.reports import MetricBatch
 from contracts.reports import MetricPoint as ReportedPoint
+from service.api.routes.events import RunEvents, StepCursor
 from service.db import make_session_factory, upgrade_database
 from service.models import ApiToken, Attempt, EvalResult, MetricPoint, Run, Workflow
-from service.report import record_metrics
-from service.routes.events import RunEvents, StepCursor
-from service.run import RunsCursor, list_runs
-from service.series import metric_columns
+from service.reads.series import metric_columns
+from service.runs.view import RunsCursor, list_runs
+from service.workers.report import record_metrics
 
 DENSE = list(range(5001))
 SPARSE = sorted(random.Random(3).sample(range(1, 10**6), 200))

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from contracts.signature import Digests, compute_signature
 from contracts.workflow import Workflow
-from service.compare import eval_table, input_differences, percent_change
-from service.export import EVAL_COLUMNS, METRIC_COLUMNS, csv_text
+from service.reads.compare import eval_table, input_differences, percent_change
+from service.reads.export import EVAL_COLUMNS, METRIC_COLUMNS, csv_text
 from service.schemas import RunUpdate
 
 DOC: dict[str, Any] = {

@@ -1,11 +1,11 @@
-"""`service.reaper.grace_end`: after the service could not hear its workers, a lease's end (or
-a stall clock's) moves on by the time no reaper pass heard, and no further."""
+"""`service.workers.reaper.grace_end`: after the service could not hear its workers, a lease's end
+(or a stall clock's) moves on by the time no reaper pass heard, and no further."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from service.reaper import grace_end
+from service.workers.reaper import grace_end
 
 NOW = datetime(2026, 12, 10, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=60)

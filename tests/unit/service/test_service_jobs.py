@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.jobs import InspectionReport, InspectRequest, LengthStats
 from contracts.reports import EvalResult
-from service.app import create_app
+from service.api.app import create_app
 from service.auth import create_token
 from service.db import make_session_factory, upgrade_database
 from service.models import Job, OutboxMessage
@@ -528,7 +528,7 @@ def test_a_job_running_past_the_timeout_is_queued_and_sent_again(api: Api) -> No
     from datetime import timedelta
 
     from service.models import utcnow
-    from service.reaper import requeue_stale_jobs
+    from service.workers.reaper import requeue_stale_jobs
 
     stale, fresh, done = (submit_inspection(api)["id"] for _ in range(3))
     for job_id in (stale, fresh, done):
@@ -562,7 +562,7 @@ def test_a_slow_worker_s_outcome_is_kept_after_its_job_was_queued_again(api: Api
     from datetime import timedelta
 
     from service.models import utcnow
-    from service.reaper import requeue_stale_jobs
+    from service.workers.reaper import requeue_stale_jobs
 
     job_id = submit_inspection(api)["id"]
     assert start(api, job_id).status_code == 200

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.dispatch import EVALUATE_CHECKPOINT_TASK, INSPECT_DATASET_TASK, RUN_PHASE_TASK
 from service.db import make_session_factory, upgrade_database
-from service.dispatch import dispatch_pending
 from service.models import Attempt, Job, OutboxMessage, Run, Workflow
+from service.workers.dispatch import dispatch_pending
 
 
 class Broker:
@@ -165,7 +165,7 @@ def test_each_send_of_a_job_counts_as_one_delivery_and_a_refused_one_does_not(
         session.commit()
     assert send(sessions, Broker(fail_from=1)) == 1
     with sessions() as session:
-        # Sent again after its worker went silent (service.reaper.requeue_stale_jobs).
+        # Sent again after its worker went silent (service.workers.reaper.requeue_stale_jobs).
         session.add(OutboxMessage(job_id="job_1"))
         session.commit()
     assert send(sessions, Broker()) == 2

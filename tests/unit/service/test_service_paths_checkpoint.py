@@ -1,6 +1,6 @@
-"""What an initial checkpoint is, checked by the service without torch (service.checkpoint):
-safetensors read from its header alone, save_pretrained directories, and tensors that must
-agree with the sizes the workflow's model config states."""
+"""What an initial checkpoint is, checked by the service without torch
+(service.checkpoints.weights): safetensors read from its header alone, save_pretrained
+directories, and tensors that must agree with the sizes the workflow's model config states."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save
 
 from contracts.workflow import Workflow
-from service.checkpoint import (
+from service.checkpoints.weights import (
     MAX_HEADER_BYTES,
     NotACheckpoint,
     checkpoint_problem,

@@ -11,11 +11,11 @@ from contracts.reports import MetricPoint as ReportedPoint
 from contracts.signature import Digests, compute_signature
 from contracts.workflow import validate_workflow
 from service.errors import ApiError, validation_details
-from service.lease import digests_of
 from service.lifecycle import budget_use, recovery_seconds
 from service.models import Attempt
-from service.report import finite_or_none, point_error
-from service.workflow import parse_workflow, workflow_id_of
+from service.runs.workflow import parse_workflow, workflow_id_of
+from service.workers.lease import digests_of
+from service.workers.report import finite_or_none, point_error
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

@@ -7,10 +7,10 @@ from datetime import timedelta
 
 from contracts.signature import Digests, FieldDiff, compute_signature
 from contracts.workflow import validate_workflow
-from service.lease import is_active, lease_expired
 from service.models import Attempt, utcnow
-from service.resume import signature_mismatch
-from service.run import InitialCheckpoint, sign_run
+from service.runs.initial_checkpoint import InitialCheckpoint, sign_run
+from service.runs.resume import signature_mismatch
+from service.workers.lease import is_active, lease_expired
 
 DOC = {
     "name": "w",

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from service.series import downsample, json_float, stride_indices, summarize_evals
+from service.reads.evaluation import summarize_evals
+from service.reads.series import downsample, json_float, stride_indices
 
 
 @pytest.mark.parametrize("n, max_points", [(10, 10), (10, 20), (0, 5), (3, None)])

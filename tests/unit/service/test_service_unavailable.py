@@ -1,6 +1,6 @@
 """`service.errors.is_unavailable` on real SQLite errors: only a database the service cannot
 open is unavailable; a lock held too long or a statement that fails is an error in a
-statement, which the reaper must not take for deafness (see service/reaper.py)."""
+statement, which the reaper must not take for deafness (see service/workers/reaper.py)."""
 
 from __future__ import annotations
 

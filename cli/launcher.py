@@ -1,0 +1,118 @@
+"""The launchers: `serve` (the API alone), `worker` (one worker process), `up` (the embedded
+stack: the API on SQLite and its worker processes) and `demo` (that stack running the demo
+workflow). Each imports the side it starts inside its own body."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import EXIT_FAILED, err_console, load_workflow
+from cli.config import get_settings
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DEMO_WORKFLOW = EXAMPLES / "workflows" / "demo.json"
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8600,
+) -> None:
+    """Run the API alone, with settings from TRAINCTL_* (Postgres and Redis in production)."""
+    import uvicorn
+
+    from runtime.logs import configure_logging
+    from service.api.app import create_app
+    from service.db import upgrade_database
+    from service.settings import ServiceSettings
+
+    settings = ServiceSettings()
+    configure_logging(settings.log_format, settings.log_level)
+    upgrade_database(settings.database_url)
+    uvicorn.run(create_app(settings), host=host, port=port, log_config=None, log_level="warning")
+
+
+def worker() -> None:
+    """Run one worker process (one training slot) on TRAINCTL_BROKER_URL, reporting to
+    TRAINCTL_API_URL."""
+    from worker.process.celery_app import start_worker
+    from worker.settings import get_settings as worker_settings
+
+    start_worker(worker_settings())
+
+
+def up(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8600,
+    workers: Annotated[int, typer.Option(min=0, help="Worker processes to start.")] = 1,
+) -> None:
+    """Run the embedded stack: the API on SQLite plus worker processes over a broker folder.
+    A worker that exits is started again (after 1 s, doubling up to 60 s while it keeps
+    exiting); each restart is logged and counted in /metrics (trainctl_worker_restarts).
+
+    The first start writes an admin token to $TRAINCTL_HOME/token (mode 0600)."""
+    import uvicorn
+    from prometheus_client import Counter
+
+    from cli.stack import Supervisor, spawn, stop
+    from runtime.logs import configure_logging
+    from service.api.app import create_app
+    from service.auth import ensure_tokens
+    from service.db import upgrade_database
+    from service.settings import ServiceSettings
+
+    settings = ServiceSettings(api_url=f"http://{host}:{port}")
+    configure_logging(settings.log_format, settings.log_level)
+    settings.home.mkdir(parents=True, exist_ok=True)
+    upgrade_database(settings.database_url)
+    tokens = ensure_tokens(settings)
+    env = {
+        "TRAINCTL_HOME": str(settings.home),
+        "TRAINCTL_API_URL": settings.api_url,
+        "TRAINCTL_BROKER_URL": settings.broker_url,
+        "TRAINCTL_QUEUE": settings.queue,
+        "TRAINCTL_WORKER_TOKEN": tokens.worker,
+    }
+    logs = settings.home / "logs"
+    logs.mkdir(exist_ok=True)
+    api = create_app(settings)
+    restarts = Counter(
+        "trainctl_worker_restarts",
+        "Worker processes `trainctl up` started again after they exited.",
+        registry=api.state.observability.registry,
+    )
+    # uvicorn handles SIGTERM itself, then raises it again once shut down, which by default
+    # kills this process before the workers (in their own sessions) are stopped. A handler
+    # that exits instead lets the `finally` below stop them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    supervisor = Supervisor(
+        lambda i: spawn(["worker"], env=env, log=logs / f"worker-{i}.log"),
+        workers,
+        stop_child=stop,
+        on_restart=restarts.inc,
+    )
+    try:
+        supervisor.watch()
+        err_console.print(
+            f"trainctl up: API {settings.api_url}, {workers} worker(s), home {settings.home}, "
+            f"token in {settings.home / 'token'}"
+        )
+        uvicorn.run(api, host=host, port=port, log_config=None, log_level="warning")
+    finally:
+        supervisor.close()
+
+
+def demo(
+    workflow: Annotated[Path, typer.Option(help="Workflow to run.")] = DEMO_WORKFLOW,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the run.")] = 900,
+) -> None:
+    """Start the embedded stack, run the demo workflow, and print baseline vs final perplexity
+    per task. Fails (exit 1) unless the loss fell in every phase and every task improved."""
+    from cli.demo import run_demo
+
+    ok = run_demo(load_workflow(workflow), home=get_settings().home, timeout=timeout)
+    raise typer.Exit(0 if ok else EXIT_FAILED)

@@ -1,0 +1,387 @@
+"""`trainctl runs`: create, resume, control, list, update, compare, export, show, watch and
+evaluate runs, through the API."""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from cli.common import (
+    EXIT_API,
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    JsonOpt,
+    RunId,
+    call,
+    console,
+    err_console,
+    fail,
+    load_workflow,
+)
+
+runs_app = typer.Typer(help="Create, list and inspect runs.", no_args_is_help=True)
+
+
+WAITING_FOR_WORKER = (
+    "waiting for a worker: none was heard from within the lease period; start one "
+    "(`trainctl worker`) and check `trainctl workers`"
+)
+
+
+def waiting_text(run: dict[str, Any]) -> str:
+    """Why a run waits for a worker, as the service says (`waiting_reason`), and what to do."""
+    from cli.watch import waiting_reason
+
+    reason = waiting_reason(run)
+    if reason is None:
+        return WAITING_FOR_WORKER
+    return (
+        f"waiting for a worker: {reason}; start one that can take it (`trainctl worker`) and "
+        "check `trainctl workers`"
+    )
+
+
+# The most runs one `GET /runs` answers (service.schemas.MAX_RUNS_PAGE; the CLI imports no side).
+RUNS_PAGE = 500
+
+
+@runs_app.command("create")
+def runs_create(
+    path: Annotated[Path, typer.Argument(help="Workflow JSON file.")],
+    name: Annotated[str | None, typer.Option(help="A name for the run.")] = None,
+    initial_checkpoint: Annotated[
+        Path | None, typer.Option(help="Safetensors file or model directory to start from.")
+    ] = None,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Retry-safe key: the same key returns the same run.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a workflow as a new run."""
+    body: dict[str, Any] = {"workflow": load_workflow(path)}
+    if name:
+        body["name"] = name
+    if initial_checkpoint:
+        body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    run = call("POST", "/runs", json=body, headers=headers)
+    if as_json:
+        print(json.dumps(run, indent=2))
+    else:
+        console.print(f"created run [bold]{run['id']}[/bold] ({run['total_steps']} steps)")
+
+
+@runs_app.command("resume")
+def runs_resume(
+    run_id: RunId,
+    workflow: Annotated[
+        Path | None,
+        typer.Option(help="Workflow JSON file; omitted: the run's stored workflow."),
+    ] = None,
+    initial_checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help="Safetensors file or model directory the run started from (it may have "
+            "moved; its content must not change); omitted: the stored digest."
+        ),
+    ] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Devices (torch.distributed ranks) to go on on, from this attempt to the end "
+            "of the run; each remaining phase's grad_accum must be a multiple of it. Not part "
+            "of the signature. Omitted: the run's current count.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Continue a stopped run under its id from its latest checkpoint. What is given must
+    reproduce the run's signature; a mismatch names every differing field (exit 3)."""
+    body: dict[str, Any] = {}
+    if workflow:
+        body["workflow"] = load_workflow(workflow)
+    if initial_checkpoint:
+        body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+    if devices is not None:
+        body["devices"] = devices
+    run = call("POST", f"/runs/{run_id}/resume", json=body)
+    if as_json:
+        print(json.dumps(run, indent=2))
+        return
+    if run["status"] == "succeeded":
+        console.print(f"run [bold]{run['id']}[/bold] already succeeded; nothing to resume")
+        return
+    attempt = max(run["attempts"], key=lambda a: a["number"])
+    ckpt = run.get("latest_checkpoint")
+    start = f"the checkpoint at step {ckpt['step']}" if ckpt else "the start"
+    on = attempt.get("devices", 1)
+    console.print(
+        f"resumed run [bold]{run['id']}[/bold]: attempt {attempt['number']} continues phase "
+        f"{run.get('phase')} from {start} on {on} device{'s' if on != 1 else ''}"
+    )
+
+
+def _control(run_id: str, action: str, as_json: bool) -> None:
+    run = call("POST", f"/runs/{run_id}/{action}")
+    if as_json:
+        print(json.dumps(run, indent=2))
+    else:
+        console.print(f"run [bold]{run['id']}[/bold]: {run['status']}")
+
+
+@runs_app.command("pause")
+def runs_pause(run_id: RunId, as_json: JsonOpt = False) -> None:
+    """Ask the worker to checkpoint and stop; `runs resume` continues from that checkpoint."""
+    _control(run_id, "pause", as_json)
+
+
+@runs_app.command("cancel")
+def runs_cancel(run_id: RunId, as_json: JsonOpt = False) -> None:
+    """Stop a run for good, without a new checkpoint."""
+    _control(run_id, "cancel", as_json)
+
+
+class RunStatusOpt(StrEnum):
+    queued = "queued"
+    running = "running"
+    recovering = "recovering"
+    paused = "paused"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+@runs_app.command("list")
+def runs_list(
+    limit: Annotated[
+        int, typer.Option(min=0, help="Show at most this many runs (0: every run).")
+    ] = 50,
+    status: Annotated[RunStatusOpt | None, typer.Option(help="Only runs in this status.")] = None,
+    tag: Annotated[
+        list[str] | None,
+        typer.Option(help="Only runs carrying this tag (repeat: every one of them)."),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Only runs whose name holds this text (any case).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, newest first, following the API's pages up to --limit."""
+    filters: dict[str, Any] = {"status": status.value if status else None, "tag": tag or None}
+    if name:
+        filters["name"] = name
+    filters = {k: v for k, v in filters.items() if v is not None}
+    answer = call("GET", "/runs", params={**filters, "limit": min(limit or RUNS_PAGE, RUNS_PAGE)})
+    while answer["next_cursor"] and (limit == 0 or len(answer["runs"]) < limit):
+        want = RUNS_PAGE if limit == 0 else min(limit - len(answer["runs"]), RUNS_PAGE)
+        page = call(
+            "GET", "/runs", params={**filters, "limit": want, "cursor": answer["next_cursor"]}
+        )
+        answer = {**page, "runs": answer["runs"] + page["runs"]}
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return
+    table = Table()
+    for column in ("id", "name", "status", "phase", "step", "restarts", "tags", "created"):
+        table.add_column(column)
+    for run in answer["runs"]:
+        table.add_row(
+            run["id"],
+            run.get("name") or "",
+            run["status"] + (" (no worker)" if run.get("waiting_for_worker") else ""),
+            run.get("phase") or "",
+            f"{run['step']}/{run['total_steps']}",
+            str(run.get("restarts", 0) + run.get("preemptions", 0)),
+            ", ".join(run.get("tags") or []),
+            run["created_at"],
+        )
+    console.print(table)
+    if answer["next_cursor"]:
+        console.print(f"the {len(answer['runs'])} newest of {answer['count']}; --limit 0 lists all")
+
+
+@runs_app.command("update")
+def runs_update(
+    run_id: RunId,
+    name: Annotated[str | None, typer.Option(help="A new name for the run.")] = None,
+    tag: Annotated[
+        list[str] | None,
+        typer.Option(help="The run's tags (repeat for several; replaces the set)."),
+    ] = None,
+    clear_tags: Annotated[
+        bool, typer.Option("--clear-tags", help="Remove every tag of the run.")
+    ] = False,
+    note: Annotated[str | None, typer.Option(help='A note about the run ("" removes it).')] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Set a run's name, tags or note (PATCH /runs/{id}); what is not given stays."""
+    body: dict[str, Any] = {}
+    if name is not None:
+        body["name"] = name
+    if clear_tags:
+        body["tags"] = []
+    elif tag:
+        body["tags"] = tag
+    if note is not None:
+        body["note"] = note
+    if not body:
+        raise fail("give --name, --tag, --clear-tags or --note", EXIT_BAD_INPUT)
+    run = call("PATCH", f"/runs/{run_id}", json=body)
+    if as_json:
+        print(json.dumps(run, indent=2))
+        return
+    tags = ", ".join(run["tags"]) or "none"
+    console.print(f"run [bold]{run['id']}[/bold] {run['name']!r}: tags {tags}", markup=False)
+    if run.get("note"):
+        console.print(f"note: {run['note']}", markup=False)
+
+
+@runs_app.command("compare")
+def runs_compare(
+    run_ids: Annotated[
+        list[str],
+        typer.Argument(help="Two or more run ids; the first is the reference."),
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """Compare runs: per eval set each run's baseline, final and best perplexity and its
+    change against the first run, and every signed input that differs (workflow fields,
+    tokenizer, data files, initial checkpoint) with each run's value."""
+    from cli.compare import comparison_view
+
+    if len(run_ids) < 2:
+        raise fail("give two or more run ids to compare", EXIT_BAD_INPUT)
+    answer = call("GET", "/runs/compare", params={"ids": ",".join(run_ids)})
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return
+    console.print(comparison_view(answer), soft_wrap=True)
+
+
+@runs_app.command("export")
+def runs_export(
+    run_id: RunId,
+    directory: Annotated[
+        Path, typer.Argument(help="Folder to write metrics.csv and evals.csv into (made).")
+    ],
+    max_points: Annotated[
+        int | None,
+        typer.Option(min=1, help="Thin each metric series to this many points (default all)."),
+    ] = None,
+) -> None:
+    """Write the run's metrics and evaluations as CSV: DIR/metrics.csv
+    (run_id,name,step,value) and DIR/evals.csv (run_id,name,task,step,phase,cross_entropy,
+    perplexity,records,target_tokens,oversized_records); docs/operations.md has the columns."""
+    from cli.client import ApiError
+    from cli.common import client
+    from cli.compare import count_rows, export_paths
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise fail(f"cannot make {directory}: {err}", EXIT_BAD_INPUT) from err
+    paths = export_paths(directory)
+    params: dict[str, Any] = {"format": "csv"}
+    if max_points:
+        params["max_points"] = max_points
+    try:
+        with client() as api:
+            api.download(f"/runs/{run_id}/metrics", paths["metrics"], params=params)
+            api.download(f"/runs/{run_id}/eval", paths["evals"], params={"format": "csv"})
+    except ApiError as err:
+        raise fail(f"{err.message} [{err.code}]", EXIT_API) from err
+    except OSError as err:
+        raise fail(f"cannot write into {directory}: {err}", EXIT_BAD_INPUT) from err
+    for what, path in paths.items():
+        console.print(f"{what}: {path} ({count_rows(path)} rows)", markup=False)
+
+
+@runs_app.command("show")
+def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
+    """Show one run: status, progress, latest checkpoint and attempts."""
+    run = call("GET", f"/runs/{run_id}")
+    if as_json:
+        print(json.dumps(run, indent=2))
+        return
+    cause = f" ({run['cause']}: {run.get('message')})" if run.get("cause") else ""
+    console.print(f"[bold]{run['id']}[/bold] {run['status']}{cause}")
+    if run.get("waiting_for_worker"):
+        console.print(waiting_text(run), style="yellow", markup=False)
+    if run.get("preparing"):
+        from cli.watch import preparing_text
+
+        console.print(preparing_text(run["preparing"]), markup=False)
+    console.print(f"phase {run.get('phase')}  step {run['step']}/{run['total_steps']}")
+    if run.get("tags"):
+        console.print(f"tags: {', '.join(run['tags'])}", markup=False)
+    if run.get("note"):
+        console.print(f"note: {run['note']}", markup=False)
+    ckpt = run.get("latest_checkpoint")
+    console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")
+    for a in run.get("attempts", []):
+        resent = f", message sent again {n}x" if (n := a.get("redispatches")) else ""
+        console.print(
+            f"  attempt {a['number']} phase {a['phase_index']} {a['status']} "
+            f"on {a.get('worker_hostname') or '-'} pid {a.get('worker_pid') or '-'} "
+            f"({a.get('devices', 1)} dev{resent})"
+        )
+
+
+@runs_app.command("watch")
+def runs_watch(
+    run_id: RunId,
+    timeout: Annotated[float, typer.Option(help="Give up (exit 1) after this many seconds.")] = 7
+    * 24
+    * 3600,
+    poll: Annotated[float, typer.Option(min=0.1, help="Seconds between updates.")] = 1.0,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print a JSON object per change instead of a progress bar."),
+    ] = False,
+) -> None:
+    """Follow a run: phase, step, tokens/s, ETA and restarts, until it finishes or pauses.
+    Exit 0 when it succeeded, 1 when it failed, was cancelled or paused."""
+    from cli.client import ApiError
+    from cli.common import client
+    from cli.watch import watch
+
+    try:
+        with client() as api:
+            state = watch(api, run_id, timeout=timeout, console=console, poll=poll, as_json=as_json)
+    except ApiError as err:
+        raise fail(f"{err.message} [{err.code}]", EXIT_API) from err
+    except TimeoutError as err:
+        raise fail(str(err), EXIT_FAILED) from err
+    if state["status"] != "succeeded":
+        if not as_json:
+            why = f": {state['cause']}: {state['message']}" if state.get("cause") else ""
+            err_console.print(f"run {run_id} {state['status']}{why}", markup=False, soft_wrap=True)
+        raise typer.Exit(EXIT_FAILED)
+
+
+@runs_app.command("eval")
+def runs_eval(
+    run_id: RunId,
+    max_points: Annotated[
+        int | None,
+        typer.Option(min=1, help="Keep at most this many history points per eval set."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity
+    (history with --json)."""
+    from cli.demo import eval_table
+
+    params = {"max_points": max_points} if max_points else {}
+    answer = call("GET", f"/runs/{run_id}/eval", params=params)
+    if as_json:
+        print(json.dumps(answer, indent=2))
+    else:
+        console.print(eval_table(answer))

@@ -1,0 +1,115 @@
+"""Tokens (admin tokens only): `GET /tokens`, `POST /tokens`, `DELETE /tokens/{id}` (revoke),
+`POST /tokens/{id}/rotate`; and `GET /whoami`, any token's own id, name and role (the
+dashboard learns from it what to offer). A token's secret is in the answer of its creation or
+rotation only; no answer ever carries a secret's hash."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, status
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.bounds import NO_NUL
+from service.access import READ_ROLES, WRITE_ROLES
+from service.api.deps import AnyTokenDep, SessionDep, require_admin
+from service.auth import issue_token, list_tokens, revoke_token, rotate_token
+from service.models import ApiToken, TokenRole
+
+router = APIRouter(tags=["tokens"])
+admin = APIRouter(prefix="/tokens", tags=["tokens"], dependencies=[Depends(require_admin)])
+
+
+class TokenPublic(BaseModel):
+    """A token as listed: never its secret nor the secret's hash."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    role: TokenRole
+    created_at: datetime
+    rotated_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokensPublic(BaseModel):
+    tokens: list[TokenPublic]
+    count: int
+
+
+class TokenIssued(BaseModel):
+    """A new secret, shown this once: store it (mode 0600 if in a file)."""
+
+    token: TokenPublic
+    secret: str
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=200), NO_NUL]
+    role: TokenRole = "user"
+
+
+class WhoAmI(BaseModel):
+    id: str
+    name: str
+    role: TokenRole
+    can_read: bool = Field(description="may read runs, jobs and workers (GET)")
+    can_write: bool = Field(description="may create runs and jobs, and control its own runs")
+    sees_all: bool = Field(description="reads every run and job, not only its own")
+    is_admin: bool = Field(description="may manage tokens and read the audit trail")
+
+
+def _public(row: ApiToken) -> TokenPublic:
+    return TokenPublic.model_validate(row)
+
+
+@router.get("/whoami")
+def whoami(token: AnyTokenDep) -> WhoAmI:
+    """The calling token's id, name and role, and what the role may do."""
+    return WhoAmI(
+        id=token.id,
+        name=token.name,
+        role=token.role,
+        can_read=token.role in READ_ROLES,
+        can_write=token.role in WRITE_ROLES,
+        sees_all=token.role in ("admin", "viewer"),
+        is_admin=token.role == "admin",
+    )
+
+
+@admin.get("")
+def read_tokens(
+    session: SessionDep,
+    revoked: Annotated[bool, Query(description="list revoked tokens too")] = False,
+) -> TokensPublic:
+    """Tokens oldest first, without their secrets."""
+    rows = list_tokens(session=session, revoked=revoked)
+    return TokensPublic(tokens=[_public(r) for r in rows], count=len(rows))
+
+
+@admin.post("", status_code=status.HTTP_201_CREATED)
+def create(body: TokenCreate, session: SessionDep) -> TokenIssued:
+    """A new token of `role` (default `user`); its secret is in this answer only."""
+    row, secret = issue_token(session=session, name=body.name, role=body.role)
+    return TokenIssued(token=_public(row), secret=secret)
+
+
+@admin.delete("/{token_id}")
+def revoke(token_id: str, session: SessionDep) -> TokenPublic:
+    """Revoke the token: refused from the next request on. Again is a no-op."""
+    return _public(revoke_token(session=session, token_id=token_id))
+
+
+@admin.post("/{token_id}/rotate")
+def rotate(token_id: str, session: SessionDep) -> TokenIssued:
+    """A new secret for the token (same id, name, role and runs); the old one is refused from
+    the next request on. 409 `token_revoked` for a revoked token."""
+    row, secret = rotate_token(session=session, token_id=token_id)
+    return TokenIssued(token=_public(row), secret=secret)
+
+
+router.include_router(admin)

@@ -1,0 +1,57 @@
+"""`GET /workers` (the workers the service has heard from) and the ping by which a worker
+process says it is there (`POST /internal/workers/ping`, worker tokens only)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from contracts.reports import Accepted, WorkerPing
+from service import access
+from service.api.deps import ApiTokenDep, SessionDep, SettingsDep, WorkerDep, require_api
+from service.models import utcnow
+from service.schemas import WorkersPublic
+from service.workers.fleet import list_workers, note_worker
+
+MAX_WORKERS_PAGE = 500
+
+router = APIRouter(prefix="/workers", tags=["workers"], dependencies=[Depends(require_api)])
+internal_router = APIRouter(prefix="/internal/workers", tags=["internal"])
+
+
+@router.get("")
+def read_workers(
+    session: SessionDep,
+    settings: SettingsDep,
+    token: ApiTokenDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_WORKERS_PAGE)] = 100,
+) -> WorkersPublic:
+    """Workers heard from most recently first, each `live` when heard from within the lease
+    period, `busy` when it runs an attempt, with that attempt and its run (to a user token,
+    only when the run is its own) and the devices its ping says it owns. `count` and `live`
+    are over all pages."""
+    return list_workers(
+        session=session,
+        now=utcnow(),
+        lease_seconds=settings.lease_seconds,
+        limit=limit,
+        owner_id=access.owner_filter(token),
+    )
+
+
+@internal_router.post("/ping")
+def ping(body: WorkerPing, session: SessionDep, token: WorkerDep) -> Accepted:
+    note_worker(
+        session=session,
+        hostname=body.hostname,
+        pid=body.pid,
+        now=utcnow(),
+        version=body.version,
+        queue=body.queue,
+        token_id=token.id,
+        devices=body.devices,
+        device_kind=body.device_kind,
+    )
+    session.commit()
+    return Accepted(accepted=1)
