@@ -12,10 +12,11 @@ the worker requires.
 The post-training corpora of workflows/sft.example.json are written with the words that
 tokenizer knows (adding them to its training text would change it, and every length below):
 
-- qa_rag: segmented RAG records, ranked passages (elastic) then the question (never elastic).
-  At sequence_length 64 about a third need passages dropped or trimmed (the one holding the
-  answer goes in about 5 % of records: dropping last-first spares the top-ranked passage, not
-  the right one); a few eval records are too long even with every passage gone
+- qa_rag: segmented RAG records, the question first (never elastic), then ranked passages
+  (elastic), then the cue to answer, as the PR's fixed data puts the question before the
+  passages. At sequence_length 64 over a quarter need passages dropped or trimmed (the one
+  holding the answer goes in about 3 % of records: dropping last-first spares the top-ranked
+  passage, not the right one); a few eval records are too long even with every passage gone
   (`oversized_records`);
 - chat: system/user/assistant conversations, some multi-turn, all within sequence_length 64;
 - pretrain.replay.txt.zst: the pretraining training text as zstd-compressed plain text, one
@@ -120,10 +121,12 @@ def passage(f: dict[str, str], *, detailed: bool) -> str:
 
 
 def qa_rag(rng: random.Random, *, long_question_share: float = 0.0) -> dict[str, Any]:
-    """Passages first, as a retriever returns them (the best one usually first), then the
-    question. Passages are elastic, so the encoder drops or trims them, last first, to fit; the
-    question and the target never shrink. With `long_question_share`, that share of records
-    gets a question too long for sequence_length 64 on its own."""
+    """The question first, as the PR's regenerated RAG data has it, then the passages as a
+    retriever returns them (the best one usually first), then the cue to answer. Passages are
+    elastic, so the encoder drops or trims them, last first, to fit; the question, the cue and
+    the target never shrink, and an encoder that cut from the tail would lose passages, never
+    the question. With `long_question_share`, that share of records gets a question too long
+    for sequence_length 64 on its own."""
     f = fact(rng)
     # A passage about the same person on another day, so the day in the question matters.
     distractors = [{**fact(rng), "who": f["who"]}] + [fact(rng) for _ in range(rng.randint(0, 1))]
@@ -131,7 +134,7 @@ def qa_rag(rng: random.Random, *, long_question_share: float = 0.0) -> dict[str,
     rng.shuffle(distractors)
     rank = 0 if not distractors or rng.random() < 0.7 else rng.randint(1, len(distractors))
     ask_color = rng.random() < 0.3
-    segments = [
+    passages = [
         {
             "text": passage(p, detailed=(p is f and ask_color) or rng.random() < 0.2),
             "role": "passage",
@@ -151,7 +154,11 @@ def qa_rag(rng: random.Random, *, long_question_share: float = 0.0) -> dict[str,
             f"from these names: {', '.join(PEOPLE)}; and these places: {', '.join(PLACES)}; "
             + question
         )
-    segments.append({"text": f" question: {question} answer:", "role": "question"})
+    segments = [
+        {"text": f"question: {question}", "role": "question"},
+        *passages,
+        {"text": " answer:", "role": "cue"},
+    ]
     return {"segments": segments, "target": target}
 
 

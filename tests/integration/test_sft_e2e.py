@@ -94,7 +94,7 @@ def test_replay_and_rag_records_train_and_report_per_source(
 def test_a_phase_whose_data_fails_its_inspection_gate_does_not_start(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    # A third of the RAG records only fit by dropping passages: a 5 % limit must stop the phase.
+    # Over a quarter of the RAG records fit only by dropping passages: a 5 % limit stops the phase.
     doc = short_sft_workflow(inspection={"max_trimmed_share": 0.05})
     with processes() as procs:
         stack = Stack(tmp_path, postgres_url, procs)

@@ -117,6 +117,21 @@ def test_rag_corpus_trims_passages_but_never_the_question() -> None:
     assert held_out.zero_target == 0
 
 
+def test_rag_corpus_asks_its_question_before_the_passages() -> None:
+    """As the PR's regenerated RAG data: the question first, then the passages, then the cue to
+    answer. Only passages are elastic, and cutting the prompt from its tail, as the PR's encoder
+    did, would reach the passages long before the question."""
+    for split in ("train", "eval"):
+        path = EXAMPLES / "data" / f"qa_rag.{split}.jsonl"
+        for line, text in enumerate(path.read_text().splitlines(), start=1):
+            roles = [(s["role"], s.get("elastic")) for s in json.loads(text)["segments"]]
+            where = f"{path.name}:{line}"
+            assert roles[0] == ("question", None), where
+            assert roles[-1] == ("cue", None), where
+            assert {role for role, _ in roles[1:-1]} == {"passage"}, where
+            assert all(elastic is not None for _, elastic in roles[1:-1]), where
+
+
 def test_chat_corpus_fits_the_instruction_phase_whole() -> None:
     report = inspect_file(
         InspectRequest(
