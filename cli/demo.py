@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,42 +55,136 @@ def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[s
     return out
 
 
-def data_folder(workflow: dict[str, Any]) -> str:
-    """The folder holding every file the (resolved) workflow names: the demo stack's data root,
+def data_folder(*workflows: dict[str, Any]) -> str:
+    """The folder holding every file the (resolved) workflows name: the demo stack's data root,
     wherever `trainctl demo` is started from."""
-    folders = [os.path.dirname(value) for _, value, _ in path_fields(workflow)]
+    folders = [os.path.dirname(value) for w in workflows for _, value, _ in path_fields(w)]
     return os.path.commonpath(folders) if folders else os.getcwd()
 
 
-def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
+def needs_start(workflow: dict[str, Any]) -> bool:
+    """Whether a workflow is post-training only: no pretrained model, and a first phase that is
+    not pretraining (a supervised phase, or replay). From random weights it would measure
+    nothing, so the demo starts it from the demo run's final checkpoint. A document too
+    malformed to tell is left to the service to refuse."""
+    model, phases = workflow.get("model"), workflow.get("phases")
+    if not isinstance(model, dict) or not isinstance(phases, list) or not phases:
+        return False
+    first = phases[0]
+    if model.get("pretrained") or not isinstance(first, dict):
+        return False
+    return not (
+        first.get("objective") == "continued_pretrain" and first.get("role", "train") == "train"
+    )
+
+
+def fits_start(workflow: dict[str, Any], start: dict[str, Any]) -> bool:
+    """Whether `start`'s checkpoints can start `workflow`: the same model and tokenizer."""
+    return (workflow.get("model"), workflow.get("tokenizer")) == (
+        start["model"],
+        start["tokenizer"],
+    )
+
+
+def name_of(workflow: dict[str, Any]) -> str:
+    """The workflow's name for its run; "demo" for a document without one, which the service
+    then refuses for that reason."""
+    name = workflow.get("name")
+    return name if isinstance(name, str) and name else "demo"
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What `run_demo` did: the run (its public view at its end) and its evaluation, the run
+    whose final checkpoint it started from (None when it trained from its own start), and
+    whether every check passed."""
+
+    ok: bool
+    run: dict[str, Any]
+    evals: dict[str, Any] | None = None
+    start: dict[str, Any] | None = None
+
+
+def finished_start(api: ApiClient, start: dict[str, Any]) -> dict[str, Any] | None:
+    """The newest run of `start` in this home that succeeded and kept a checkpoint: an earlier
+    `trainctl demo` trained it already, and runs are deterministic."""
+    workflow_id = api.post("/workflows", json=start)["id"]
+    page = api.get("/runs", params={"status": "succeeded", "name": start["name"], "limit": 50})
+    for run in page["runs"]:
+        if run["workflow_id"] == workflow_id and run.get("latest_checkpoint"):
+            return api.get(f"/runs/{run['id']}")
+    return None
+
+
+def train(
+    api: ApiClient, workflow: dict[str, Any], *, timeout: float, **body: Any
+) -> dict[str, Any]:
+    """Create a run of `workflow` named after it, watch it to its end; its public view."""
+    run = api.post("/runs", json={"workflow": workflow, "name": name_of(workflow), **body})
+    phases = len(run["plan"]["phases"])
+    console.print(f"run [bold]{run['id']}[/bold]: {run['total_steps']} steps, {phases} phases")
+    watch(api, run["id"], timeout=timeout, console=console, poll=0.5)
+    done: dict[str, Any] = api.get(f"/runs/{run['id']}")
+    if done["status"] != "succeeded":
+        console.print(
+            f"[red]run {done['status']}[/red]: {done.get('cause')}: {done.get('message')}"
+        )
+    return done
+
+
+def start_of(api: ApiClient, start: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """A succeeded run of `start` to take the final checkpoint of: this home's, or trained now."""
+    run = finished_start(api, start)
+    if run is not None:
+        console.print(f"{start['name']} succeeded in this home before: run {run['id']}")
+        return run
+    console.print(f"no run of {start['name']} in this home: training it first")
+    return train(api, start, timeout=timeout)
+
+
+def run_demo(
+    workflow: dict[str, Any],
+    *,
+    home: Path,
+    timeout: float,
+    start: dict[str, Any] | None = None,
+) -> DemoResult:
+    """Run `workflow` on a fresh embedded stack in `home`: from the final checkpoint of a
+    succeeded run of `start` when given (trained first when this home has none), else from its
+    own start. Prints the loss per phase and the evaluation against the baseline."""
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = home / "demo-stack.log"
     console.print(f"starting the embedded stack on {url} (home {home}, log {log})")
+    roots = data_folder(workflow, *([] if start is None else [start]))
     stack = spawn(
         ["up", "--port", str(port), "--workers", "1"],
-        env={"TRAINCTL_HOME": str(home), ROOTS_VARIABLE: data_folder(workflow)},
+        env={"TRAINCTL_HOME": str(home), ROOTS_VARIABLE: roots},
         log=log,
     )
     try:
         wait_healthy(url, timeout=120, process=stack)
         token = (home / "token").read_text().strip()
         with ApiClient(url, token) as api:
-            run = api.post("/runs", json={"workflow": workflow, "name": "demo"})
-            phases = len(run["plan"]["phases"])
-            console.print(
-                f"run [bold]{run['id']}[/bold]: {run['total_steps']} steps, {phases} phases"
-            )
+            body: dict[str, Any] = {}
+            first = None
+            if start is not None:
+                first = start_of(api, start, timeout=timeout)
+                if first["status"] != "succeeded":
+                    return DemoResult(ok=False, run=first)
+                final = first["latest_checkpoint"]
+                console.print(
+                    f"starting {name_of(workflow)} from run {first['id']}'s final checkpoint, "
+                    f"step {final['step']} ({final['path']})",
+                    soft_wrap=True,
+                )
+                body["initial_checkpoint"] = {"run": first["id"], "step": final["step"]}
             started = time.monotonic()
-            watch(api, run["id"], timeout=timeout, console=console, poll=0.5)
-            run = api.get(f"/runs/{run['id']}")
+            run = train(api, workflow, timeout=timeout, **body)
             elapsed = time.monotonic() - started
             if run["status"] != "succeeded":
-                console.print(
-                    f"[red]run {run['status']}[/red]: {run.get('cause')}: {run.get('message')}"
-                )
-                return False
+                return DemoResult(ok=False, run=run, start=first)
             evals = api.get(f"/runs/{run['id']}/eval")
             metrics = api.get(f"/runs/{run['id']}/metrics", params={"names": "loss"})
     finally:
@@ -100,8 +195,8 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
     for column in ("phase", "first", "last"):
         losses.add_column(column)
     phase_losses = loss_by_phase(metrics, run["plan"])
-    for name, first, last in phase_losses:
-        losses.add_row(name, f"{first:.3f}", f"{last:.3f}")
+    for name, first_loss, last_loss in phase_losses:
+        losses.add_row(name, f"{first_loss:.3f}", f"{last_loss:.3f}")
     console.print(losses)
     console.print(eval_table(evals))
 
@@ -114,4 +209,4 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
             problems.append(f"eval set {name}: final perplexity does not beat the baseline")
     for problem in problems:
         console.print(f"[red]check failed:[/red] {problem}")
-    return not problems
+    return DemoResult(ok=not problems, run=run, evals=evals, start=first)

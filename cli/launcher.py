@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import EXIT_FAILED, err_console, load_workflow
+from cli.common import EXIT_BAD_INPUT, EXIT_FAILED, err_console, fail, load_workflow
 from cli.config import get_settings
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -108,11 +108,26 @@ def up(
 
 def demo(
     workflow: Annotated[Path, typer.Option(help="Workflow to run.")] = DEMO_WORKFLOW,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the run.")] = 900,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each run.")] = 900,
 ) -> None:
     """Start the embedded stack, run the demo workflow, and print baseline vs final perplexity
-    per task. Fails (exit 1) unless the loss fell in every phase and every task improved."""
-    from cli.demo import run_demo
+    per task. Fails (exit 1) unless the loss fell in every phase and every task improved.
 
-    ok = run_demo(load_workflow(workflow), home=get_settings().home, timeout=timeout)
-    raise typer.Exit(0 if ok else EXIT_FAILED)
+    A post-training workflow (no pretraining phase first, no pretrained model) of the demo's
+    model and tokenizer starts from the final checkpoint of the demo workflow's run in
+    $TRAINCTL_HOME, which is trained first when there is none."""
+    from cli.demo import fits_start, needs_start, run_demo
+
+    doc, start = load_workflow(workflow), None
+    if needs_start(doc):
+        start = load_workflow(DEMO_WORKFLOW)
+        if not fits_start(doc, start):
+            raise fail(
+                f"{workflow} trains no pretraining phase first, so it needs a checkpoint to "
+                f"start from, and its model or tokenizer is not the demo's ({DEMO_WORKFLOW}); "
+                "run it with `trainctl up` and `trainctl runs create "
+                f"{workflow} --initial-checkpoint CHECKPOINT`",
+                EXIT_BAD_INPUT,
+            )
+    result = run_demo(doc, home=get_settings().home, timeout=timeout, start=start)
+    raise typer.Exit(0 if result.ok else EXIT_FAILED)

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from typer.testing import CliRunner
 
+from cli.common import load_workflow
+from cli.demo import fits_start, needs_start
+from cli.launcher import DEMO_WORKFLOW as DEMO
+from cli.main import app
 from contracts.jobs import InspectionReport, InspectRequest
 from contracts.workflow import OBJECTIVES, Workflow, plan
 from runtime.path import resolve_paths, validate_workflow_with_files
@@ -19,6 +24,7 @@ from worker.data.inspect import inspect_file
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORKFLOWS = sorted((EXAMPLES / "workflows").glob("*.json"))
 TOKENIZER = EXAMPLES / "tokenizer" / "tokenizer.json"
+runner = CliRunner()
 
 
 def load(path: Path) -> Workflow:
@@ -215,6 +221,38 @@ def test_sft_original_small_is_its_twin_from_the_demo_checkpoint() -> None:
     assert the_plan.total_steps <= 300  # well under two minutes on 2 CPU cores
     # The same replay share as the original, to the digit the PR gave.
     assert f"{the_plan.replay_token_share:.1%}" == f"{plan(original).replay_token_share:.1%}"
+
+
+def test_demo_starts_the_post_training_examples_from_the_demo_checkpoint() -> None:
+    """`trainctl demo --workflow` starts a workflow that does not pretrain first from the demo
+    run's final checkpoint; one that pretrains, from its own start."""
+    demo = load_workflow(DEMO)
+    starts = {p.name: needs_start(load_workflow(p)) for p in WORKFLOWS}
+    assert starts == {
+        "demo.json": False,
+        "sft.example.json": False,
+        "sft.original.json": True,
+        "sft.original.mixture.small.json": True,
+        "sft.original.small.json": True,
+    }
+    assert fits_start(load_workflow(ORIGINAL_SMALL), demo)
+    assert fits_start(
+        load_workflow(EXAMPLES / "workflows" / "sft.original.mixture.small.json"), demo
+    )
+    assert not fits_start(load_workflow(ORIGINAL), demo)
+
+
+def test_demo_refuses_a_post_training_workflow_the_demo_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sft.original.json needs a checkpoint of its own 24-layer model: refused before any stack
+    starts, saying what to run instead."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("TRAINCTL_HOME", str(home))
+    result = runner.invoke(app, ["demo", "--workflow", str(ORIGINAL)])
+    assert result.exit_code == 2, result.output
+    assert "--initial-checkpoint" in result.output
+    assert not home.exists()
 
 
 def test_sft_original_mixture_small_replays_the_same_share_as_sources() -> None:
