@@ -64,9 +64,9 @@ class Plan(BaseModel):
     - `post_training_replay_share` = replay_tokens / post_training_tokens.
 
     For a workflow that is all post-training (the original PR's: five supervised phases and
-    four interleaved replay phases from a pretrained checkpoint, 842M compute tokens, "replay
-    17.1% of tokens") both shares are the same number, the PR's; with a pretraining stage in
-    the run the first is smaller."""
+    four interleaved replay phases "(17.1% of tokens)" from a pretrained checkpoint, 842M
+    compute tokens) both shares are the same number, the PR's; with a pretraining stage in the
+    run the first is smaller."""
 
     total_steps: int
     compute_tokens: int

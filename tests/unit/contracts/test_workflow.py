@@ -407,7 +407,9 @@ def test_an_eval_set_name_is_bounded_like_its_column(tmp_path: Path) -> None:
 def original_pr_workflow() -> dict[str, Any]:
     """The post-training workflow of the original PR in shape: five supervised phases at 2048
     positions, four interleaved continued_pretrain replay phases each at its pretraining
-    stage's geometry, every microbatch 16,384 tokens, started from a pretrained model."""
+    stage's geometry, every microbatch 16,384 tokens, started from a pretrained model. The PR
+    gives the totals; the per-phase steps and geometries are reconstructed to match them
+    (docs/data.md, examples/workflows/sft.original.json)."""
 
     def phase(name: str, objective: str, steps: int, seq: int, **extra: Any) -> dict[str, Any]:
         return {
