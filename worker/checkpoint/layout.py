@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from worker.checkpoint.manifest import check
@@ -51,6 +51,9 @@ class CheckpointState:
     signature: str
     attempt_id: str
     groups: dict[str, list[str]]  # optimizer -> parameter names, in group order
+    # Target tokens trained per source of the phase, phase steps 1 .. phase_step (the token
+    # ledger, worker.train.ledger); None in checkpoints written before it was counted.
+    source_target_tokens: dict[str, int] | None = None
 
 
 def step_dir_name(step: int) -> str:
@@ -85,7 +88,11 @@ def temporary_name(step: int) -> str:
 
 
 def read_state(path: Path) -> CheckpointState:
-    return CheckpointState(**json.loads((path / STATE).read_text()))
+    """The checkpoint's state.json. Keys this worker does not know (written by a newer one)
+    are left out: what it resumes from them is what it knows how to continue."""
+    saved = json.loads((path / STATE).read_text())
+    known = {f.name for f in fields(CheckpointState)}
+    return CheckpointState(**{k: v for k, v in saved.items() if k in known})
 
 
 def verify_checkpoint(

@@ -353,15 +353,12 @@ def _record_rows(
     """Packed rows first .. first + count - 1 of the source's endless row stream, read from
     the store."""
     out = []
-    seq = source.geometry.sequence_length
-    epochs = source._epochs.setdefault((seed, phase_index, index), [])
     epoch, start = 0, 0  # the epoch holding row `first`, and that epoch's first row number
     for g in range(first, first + count):
         while True:
-            while len(epochs) <= epoch:
-                rng = _epoch_rng(seed, phase_index, index, len(epochs))
-                epochs.append(_pack_epoch(source.sizes, seq, rng))
-            order, starts = epochs[epoch]
+            order, starts = _packed_epoch(
+                source, epoch, seed=seed, phase_index=phase_index, index=index
+            )
             rows = len(starts) - 1
             if g < start + rows:
                 break
@@ -370,6 +367,18 @@ def _record_rows(
         r = g - start
         out.append([source.record(int(i)) for i in order[starts[r] : starts[r + 1]]])
     return out
+
+
+def _packed_epoch(
+    source: RecordSource, epoch: int, *, seed: int, phase_index: int, index: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Epoch `epoch` of the source's row stream, (order, starts) as `_pack_epoch` lays it out,
+    packed on first use and kept."""
+    epochs = source._epochs.setdefault((seed, phase_index, index), [])
+    while len(epochs) <= epoch:
+        rng = _epoch_rng(seed, phase_index, index, len(epochs))
+        epochs.append(_pack_epoch(source.sizes, source.geometry.sequence_length, rng))
+    return epochs[epoch]
 
 
 def batch_for_step(data: PhaseData, *, seed: int, phase_index: int, step: int, micro: int) -> Batch:
@@ -388,3 +397,27 @@ def batch_for_step(data: PhaseData, *, seed: int, phase_index: int, step: int, m
         return stack_rows([window_row(w, seq, data.pad_id) for w in windows], source=index)
     packed = _record_rows(source, first, rows, seed=seed, phase_index=phase_index, index=index)
     return packed_rows(packed, seq, data.pad_id, source=index)
+
+
+def epochs_seen(data: PhaseData, *, seed: int, phase_index: int, phase_step: int) -> list[float]:
+    """Per source, how many times phase steps 1 .. phase_step went through it: the windows (of
+    text) or records (packed rows' worth) read, over those it holds. A pure function of the
+    step, like the batches: exact whatever attempts the steps took."""
+    m = phase_step * data.grad_accum
+    out = []
+    for index, source in enumerate(data.sources):
+        rows = int(data.counts[m, index]) * source.geometry.microbatch_size  # rows read
+        if isinstance(source, TextSource):
+            out.append(rows / source.windows)
+            continue
+        epoch = 0
+        while True:
+            order, starts = _packed_epoch(
+                source, epoch, seed=seed, phase_index=phase_index, index=index
+            )
+            if rows < len(starts) - 1:
+                break
+            rows -= len(starts) - 1
+            epoch += 1
+        out.append(epoch + int(starts[rows]) / len(order))
+    return out
