@@ -339,3 +339,55 @@ class RunComparison(BaseModel):
     runs: list[ComparedRun]
     evals: list[ComparedEvalSet]
     inputs: InputDiff
+
+
+class LedgerSource(BaseModel):
+    """One data source of a phase in the token ledger: planned against trained. Trained counts
+    are the phase's so far (null when its worker did not count them: a phase trained before
+    the ledger, or resumed from a checkpoint written before it)."""
+
+    name: str
+    objective: str
+    # Its tokens count as replay: continued_pretrain text in a post-training phase.
+    replay: bool
+    planned_tokens: int
+    planned_share: float  # of the phase's planned tokens
+    # Envelope tokens (what the plan counts), their share of the phase's trained so far, the
+    # target tokens the loss was taken over, and how many times the source was gone through.
+    trained_tokens: int | None
+    trained_share: float | None
+    target_tokens: int | None
+    epochs: float | None
+
+
+class LedgerPhase(BaseModel):
+    index: int
+    name: str
+    objective: str
+    role: str
+    first_step: int
+    last_step: int
+    planned_tokens: int
+    trained_tokens: int | None
+    planned_replay_share: float
+    replay_share: float | None  # of the phase's tokens trained so far
+    sources: list[LedgerSource]
+
+
+class LedgerPublic(BaseModel):
+    """`GET /runs/{id}/ledger`: per phase and source, tokens planned and trained, and the
+    run's realised replay share against its plan's (contracts.workflow.Plan defines both
+    shares: replay of all tokens, and of post-training tokens). Realised shares are of the
+    tokens trained so far; null while any phase begun has no counts."""
+
+    run_id: str
+    step: int
+    planned_tokens: int
+    trained_tokens: int | None
+    planned_replay_tokens: int
+    replay_tokens: int | None
+    planned_replay_share: float
+    replay_share: float | None
+    planned_post_training_replay_share: float
+    post_training_replay_share: float | None
+    phases: list[LedgerPhase]

@@ -1,7 +1,8 @@
 """The token ledger of a phase: per data source, the tokens trained so far, as the service's
 ledger (`GET /runs/{id}/ledger`) reads them back against the plan.
 
-Reported at every step, cumulative over the phase's steps 1 .. phase_step:
+Reported at every step, cumulative over the phase's steps 1 .. phase_step (the names:
+contracts.ledger):
 
 - `tokens/<source>`: envelope tokens (what the plan counts: the source's microbatches x its
   `sequence_length x microbatch_size`);
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from contracts.ledger import ledger_series
 from worker.data.batch import PhaseData, epochs_seen
 
 log = logging.getLogger(__name__)
@@ -77,8 +79,9 @@ class TokenLedger:
         )
         out: dict[str, float] = {}
         for i, name in enumerate(self._names):
-            out[f"tokens/{name}"] = float(int(counts[i]) * self._envelopes[i])
+            series = ledger_series(name)
+            out[series.tokens] = float(int(counts[i]) * self._envelopes[i])
             if self._targets is not None:
-                out[f"target_tokens/{name}"] = float(self._targets[i])
-            out[f"epochs/{name}"] = epochs[i]
+                out[series.target_tokens] = float(self._targets[i])
+            out[series.epochs] = epochs[i]
         return out

@@ -35,6 +35,7 @@ from service.models import MAX_TAG, Run
 from service.reads.compare import compare_runs
 from service.reads.evaluation import eval_summary
 from service.reads.export import evals_csv, metrics_csv
+from service.reads.ledger import token_ledger
 from service.reads.series import metric_series_json
 from service.runs.control import cancel_run, pause_run
 from service.runs.resume import resume_run
@@ -45,6 +46,7 @@ from service.schemas import (
     MAX_RUNS_PAGE,
     CheckpointPublic,
     CheckpointsPublic,
+    LedgerPublic,
     RunComparison,
     RunCreate,
     RunPublic,
@@ -330,3 +332,11 @@ def read_checkpoints(
         checkpoints=[CheckpointPublic.model_validate(c) for c in checkpoints],
         count=len(checkpoints),
     )
+
+
+@router.get("/{run_id}/ledger")
+def read_ledger(run: RunDep, session: SessionDep) -> LedgerPublic:
+    """The token ledger: per phase and data source, the tokens planned against those trained
+    so far (envelope tokens, target tokens, epochs of the source), and the realised replay
+    share against the plan's. One index seek per count (service.reads.ledger)."""
+    return token_ledger(session=session, run=run)
