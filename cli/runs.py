@@ -385,3 +385,17 @@ def runs_eval(
         print(json.dumps(answer, indent=2))
     else:
         console.print(eval_table(answer))
+
+
+@runs_app.command("ledger")
+def runs_ledger(run_id: RunId, as_json: JsonOpt = False) -> None:
+    """The token ledger: per phase and data source, the tokens planned against those trained
+    so far, their target tokens and the epochs of each source; and the replay share trained
+    against the plan's."""
+    from cli.ledger import ledger_table
+
+    answer = call("GET", f"/runs/{run_id}/ledger")
+    if as_json:
+        print(json.dumps(answer, indent=2))
+    else:
+        console.print(ledger_table(answer))
