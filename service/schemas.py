@@ -131,9 +131,27 @@ class CheckpointPublic(CheckpointSummary):
     removed_at: datetime | None
 
 
+class BestCheckpoint(BaseModel):
+    """An eval set's best checkpoint: of the run's steps with a usable checkpoint, the one
+    whose evaluation of the set has the lowest cross-entropy (the earliest on ties); what
+    `checkpoint.keep_best` keeps and `{"run", "best"}` names. `step` None: no step of the set
+    has both. `best_eval_step`: the set's best evaluation of all, which may lie at a step
+    without a checkpoint (`note` then says so)."""
+
+    name: str
+    kept: bool  # named by the workflow's checkpoint.keep_best: retention keeps it
+    step: int | None
+    cross_entropy: float | None
+    best_eval_step: int
+    best_eval_cross_entropy: float
+    note: str | None = None
+
+
 class CheckpointsPublic(BaseModel):
     checkpoints: list[CheckpointPublic]
     count: int
+    # Per eval set with a scored evaluation, by name.
+    best: list[BestCheckpoint] = []
 
 
 class AttemptPublic(BaseModel):

@@ -29,7 +29,7 @@ from service.api.deps import (
     SettingsDep,
     require_api,
 )
-from service.checkpoints.registry import CheckpointFilter, list_checkpoints
+from service.checkpoints.registry import CheckpointFilter, best_checkpoints, list_checkpoints
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
 from service.reads.compare import compare_runs
@@ -326,11 +326,14 @@ def read_checkpoints(
         ),
     ] = "usable",
 ) -> CheckpointsPublic:
-    """The run's checkpoints, oldest first: by default only usable ones."""
+    """The run's checkpoints, oldest first: by default only usable ones; and each eval set's
+    best checkpoint (`best`: what `checkpoint.keep_best` keeps), saying when a set's best
+    evaluation lies at a step without one."""
     checkpoints = list_checkpoints(session=session, run_id=run.id, status=status)
     return CheckpointsPublic(
         checkpoints=[CheckpointPublic.model_validate(c) for c in checkpoints],
         count=len(checkpoints),
+        best=best_checkpoints(session=session, run_id=run.id),
     )
 
 

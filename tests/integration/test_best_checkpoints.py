@@ -1,0 +1,92 @@
+"""Best checkpoints, driven over HTTP as a worker drives them on real Postgres:
+`checkpoint.keep_best` pins each named set's best checkpoint (a deletion report of it is
+refused), and the checkpoints' answer says when a set's best evaluation has no checkpoint."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from test_checkpoint_registry import claimed, register, report_removal
+from test_leases import Claimant, error_code, start_run
+
+if TYPE_CHECKING:
+    from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def api(make_settings: SettingsFactory, make_api: ApiFactory) -> Api:
+    return make_api(make_settings(reaper_interval_seconds=3600))
+
+
+def keeping_best(tiny_workflow: WorkflowFactory) -> dict[str, Any]:
+    """20 steps, a checkpoint every 5, two newest kept; two eval sets on one file, the best of
+    `summarization` kept and of `other` not."""
+    doc = tiny_workflow(phases=1, steps=20)
+    summaries = doc["evals"][0]
+    doc["evals"] = [summaries, {**summaries, "name": "other"}]
+    doc["checkpoint"] = {"every_steps": 5, "keep_last": 2, "keep_best": ["summarization"]}
+    return doc
+
+
+def evaluate(worker: Claimant, step: int, **cross_entropy: float) -> None:
+    results = [
+        {
+            "name": name,
+            "task": "summarization",
+            "step": step,
+            "phase": "phase0",
+            "cross_entropy": ce,
+            "perplexity": 2.0**ce,
+            "records": 1,
+            "target_tokens": 3,
+        }
+        for name, ce in cross_entropy.items()
+    ]
+    answer = worker.post("evals", {"fencing_token": worker.secret, "results": results})
+    assert answer.status_code == 200, answer.text
+
+
+def best_of(api: Api, run_id: str) -> dict[str, dict[str, Any]]:
+    answer = api.client.get(f"/runs/{run_id}/checkpoints", headers=api.admin)
+    assert answer.status_code == 200, answer.text
+    return {b["name"]: b for b in answer.json()["best"]}
+
+
+def test_keep_best_pins_each_sets_best_checkpoint_until_a_better_one_is_registered(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    run_id, attempt_id = start_run(api, keeping_best(tiny_workflow))
+    worker = claimed(api, attempt_id)
+    evaluate(worker, 0, summarization=3.0, other=3.0)
+    evaluate(worker, 5, summarization=2.0, other=2.9)
+    assert register(worker, 5)["pinned_steps"] == [5]
+    evaluate(worker, 10, summarization=2.5, other=1.0)  # `other`'s best: not kept
+    assert register(worker, 10)["pinned_steps"] == [5]
+
+    refused = report_removal(worker, 5, "deleted")
+    assert error_code(refused, 409) == "checkpoint_pinned"
+    error = refused.json()["error"]
+    assert "best checkpoint of eval set(s) 'summarization'" in error["message"]
+    assert "checkpoint.keep_best" in error["message"]
+    assert error["details"] == {"run_id": run_id, "step": 5, "best_of": ["summarization"]}
+    # `other` is not kept: its best checkpoint goes like any other.
+    assert report_removal(worker, 10, "deleted").status_code == 200
+
+    # A better evaluation at a checkpoint step moves the pin; the old best may go.
+    evaluate(worker, 15, summarization=1.5, other=2.0)
+    assert register(worker, 15)["pinned_steps"] == [15]
+    assert report_removal(worker, 5, "deleted").status_code == 200
+
+    # The best evaluation at a step without a checkpoint is no best checkpoint, and is said so.
+    evaluate(worker, 17, summarization=1.2, other=3.0)
+    best = best_of(api, run_id)
+    kept = best["summarization"]
+    assert (kept["kept"], kept["step"], kept["best_eval_step"]) == (True, 15, 17)
+    assert kept["cross_entropy"] == 1.5 and kept["best_eval_cross_entropy"] == 1.2
+    assert "step 17" in kept["note"] and "the best checkpoint is step 15's" in kept["note"]
+    # `other`'s best step lost its checkpoint: the best of what is left is step 15's.
+    other = best["other"]
+    assert (other["kept"], other["step"], other["best_eval_step"]) == (False, 15, 10)
