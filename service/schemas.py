@@ -5,7 +5,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
@@ -55,12 +64,30 @@ class WorkflowPublic(BaseModel):
 
 
 class CheckpointOf(BaseModel):
-    """Another run's registered checkpoint at `step`, as an initial checkpoint."""
+    """Another run's registered checkpoint as an initial checkpoint: the one at `step`, or the
+    best checkpoint of its eval set `best` (service.checkpoints.registry: of its steps with a
+    usable checkpoint, the one whose evaluation of the set has the lowest cross-entropy),
+    resolved to its step when the run is created."""
 
     model_config = ConfigDict(extra="forbid")
 
     run: str = Field(min_length=1, max_length=MAX_ID)
-    step: int = Field(ge=0, le=MAX_COUNT)
+    step: int | None = Field(None, ge=0, le=MAX_COUNT)
+    best: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL] | None = Field(
+        None, validate_default=True
+    )
+
+    # A field's check, not the model's: errors keep their path (`initial_checkpoint
+    # .CheckpointOf.best`), where a model validator would rename the model in every one.
+    @field_validator("best")
+    @classmethod
+    def _step_or_best(cls, best: str | None, info: ValidationInfo) -> str | None:
+        if "step" in info.data and (info.data["step"] is None) == (best is None):
+            raise ValueError(
+                'give exactly one of "step" (a step with a checkpoint) or "best" (an eval '
+                "set, whose best checkpoint is taken)"
+            )
+        return best
 
 
 # A local safetensors file or model directory the service can read (relative paths resolve
@@ -181,6 +208,15 @@ class AttemptPublic(BaseModel):
         return self.claimed_at
 
 
+class InitialCheckpointFrom(BaseModel):
+    """Another run's checkpoint a run started from: that run and step, and when it was named
+    as `{"run", "best"}`, the eval set whose best checkpoint it was when the run was created."""
+
+    run: str
+    step: int
+    best: str | None = None
+
+
 class RunPublic(BaseModel):
     id: str
     name: str
@@ -198,6 +234,8 @@ class RunPublic(BaseModel):
     signature: str
     plan: Plan
     initial_checkpoint: str | None
+    # Where the initial checkpoint came from when it is another run's (None otherwise).
+    initial_checkpoint_from: InitialCheckpointFrom | None = None
     latest_checkpoint: CheckpointSummary | None
     attempts: list[AttemptPublic]
     # Budget use, counted from the attempts: restarts after `infrastructure` errors, and
