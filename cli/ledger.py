@@ -46,7 +46,7 @@ def ledger_table(ledger: dict[str, Any]) -> Table:
         for source in phase["sources"]:
             epochs = source["epochs"]
             table.add_row(
-                f"  {source['name']}{' (replay)' if source['replay'] and not role else ''}",
+                f"  {source['name']}{'*' if source['replay'] else ''}",
                 _count(source["planned_tokens"]),
                 _count(source["trained_tokens"]),
                 _share(source["trained_share"]),
@@ -70,7 +70,7 @@ def _caption(ledger: dict[str, Any]) -> str:
             f"(plan {_share(ledger['planned_post_training_replay_share'])})"
         )
     return (
-        f"replay: {counted}. share: a source's of its phase's tokens trained so far, against "
-        "the plan's; on a phase's row, the share that is replay. tokens: the microbatch "
-        "envelope, as planned; targets: those the loss was taken over"
+        f"replay (*): {counted}. share: a source's of its phase's tokens trained so far, "
+        "against the plan's; on a phase's row, the share that is replay. tokens: the "
+        "microbatch envelope, as planned; targets: those the loss was taken over"
     )

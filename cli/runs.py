@@ -57,6 +57,18 @@ def runs_create(
     initial_checkpoint: Annotated[
         Path | None, typer.Option(help="Safetensors file or model directory to start from.")
     ] = None,
+    from_run: Annotated[
+        str | None,
+        typer.Option(
+            help="Start from another run's checkpoint: the one at --step, or its best "
+            "checkpoint of the eval set --best."
+        ),
+    ] = None,
+    step: Annotated[int | None, typer.Option(min=0, help="With --from-run: its step.")] = None,
+    best: Annotated[
+        str | None,
+        typer.Option(help="With --from-run: the eval set whose best checkpoint to start from."),
+    ] = None,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Retry-safe key: the same key returns the same run.")
     ] = None,
@@ -68,6 +80,17 @@ def runs_create(
         body["name"] = name
     if initial_checkpoint:
         body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+    if from_run is not None or step is not None or best is not None:
+        if from_run is None or initial_checkpoint or (step is None) == (best is None):
+            raise fail(
+                "give --from-run RUN with one of --step N or --best SET (and no "
+                "--initial-checkpoint)",
+                EXIT_BAD_INPUT,
+            )
+        body["initial_checkpoint"] = {
+            "run": from_run,
+            **({"step": step} if best is None else {"best": best}),
+        }
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     run = call("POST", "/runs", json=body, headers=headers)
     if as_json:
@@ -325,6 +348,13 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
         console.print(f"note: {run['note']}", markup=False)
     ckpt = run.get("latest_checkpoint")
     console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")
+    if source := run.get("initial_checkpoint_from"):
+        of = f" (best of eval set {source['best']!r})" if source.get("best") else ""
+        console.print(
+            f"initial checkpoint: run {source['run']} step {source['step']}{of}", markup=False
+        )
+    elif run.get("initial_checkpoint"):
+        console.print(f"initial checkpoint: {run['initial_checkpoint']}", markup=False)
     for a in run.get("attempts", []):
         resent = f", message sent again {n}x" if (n := a.get("redispatches")) else ""
         console.print(
