@@ -523,6 +523,7 @@ async function openRun(runId) {
     renderCheckpoints(checkpoints);
     current.checkpointStep = run.latest_checkpoint ? run.latest_checkpoint.step : null;
     redraw(current);
+    refreshLedger(current);
   } catch (err) {
     if (page === current) handleError(err);
     return;
@@ -562,6 +563,7 @@ function follow(current) {
           current.checkpointStep = step;
           refreshCheckpoints(current);
         }
+        queueLedger(current);
         queueRedraw(current);
       },
       metrics: ({ series }) => {
@@ -721,6 +723,7 @@ function renderRun(current) {
     ["Preemptions", `${run.preemptions} / ${run.max_preemptions}`],
     ["Recovery", `${run.recovery_seconds.toFixed(1)} s`],
     ["Latest checkpoint", latest],
+    ...initialCheckpointFacts(run),
     ["Created", `${when(run.created_at)} (${ago(run.created_at)} ago)`],
     ["Finished", when(run.finished_at)],
     ["Signature", run.signature.slice(0, 16)],
@@ -752,7 +755,8 @@ function renderAttempts(attempts, phases) {
   );
 }
 
-function renderCheckpoints({ checkpoints }) {
+function renderCheckpoints({ checkpoints, best = [] }) {
+  renderBestCheckpoints(best);
   const phases = page && page.run ? page.run.plan.phases : [];
   $("#checkpoints-table tbody").replaceChildren(
     ...[...checkpoints]
@@ -771,6 +775,103 @@ function renderCheckpoints({ checkpoints }) {
   );
   $("#checkpoints-table").hidden = checkpoints.length === 0;
   $("#checkpoints-empty").hidden = checkpoints.length !== 0;
+}
+
+// --- the token ledger and best checkpoints -------------------------------------------------
+
+// The ledger is read again at most this often while the run's events come in.
+const LEDGER_REFRESH_MS = 3000;
+
+function initialCheckpointFacts(run) {
+  const from = run.initial_checkpoint_from;
+  if (from) {
+    const best = from.best ? ` (best of ${from.best})` : "";
+    return [["Initial checkpoint", `run ${from.run}, step ${from.step}${best}`]];
+  }
+  return run.initial_checkpoint ? [["Initial checkpoint", run.initial_checkpoint]] : [];
+}
+
+function renderBestCheckpoints(best) {
+  const list = $("#best-checkpoints");
+  list.replaceChildren(
+    ...best.map((b) =>
+      el(
+        "li",
+        { dataset: { set: b.name, step: b.step === null ? "" : b.step }, title: b.note || "" },
+        el("strong", {}, b.name),
+        b.step === null ? ": no checkpoint of a step it was evaluated at" : `: step ${b.step}`,
+        b.kept ? el("span", { class: "tag" }, "kept") : "",
+        b.note ? el("span", { class: "muted" }, ` best evaluation at step ${b.best_eval_step}, which has no checkpoint`) : "",
+      ),
+    ),
+  );
+  $("#best-checkpoints-card").hidden = best.length === 0;
+}
+
+async function refreshLedger(current) {
+  current.ledgerQueued = false;
+  try {
+    const ledger = await getJson(`/runs/${encodeURIComponent(current.runId)}/ledger`, {}, { signal: current.abort.signal });
+    if (page === current) renderLedger(ledger);
+  } catch (err) {
+    if (page === current) handleError(err);
+  }
+}
+
+function queueLedger(current) {
+  if (current.ledgerQueued) return;
+  current.ledgerQueued = true;
+  current.timers.push(setTimeout(() => page === current && refreshLedger(current), LEDGER_REFRESH_MS));
+}
+
+function tokenCount(value) {
+  return value === null ? "–" : value.toLocaleString("en-US");
+}
+
+function share(value) {
+  return value === null ? "–" : `${(100 * value).toFixed(1)}%`;
+}
+
+function renderLedger(ledger) {
+  const rows = [];
+  for (const phase of ledger.phases) {
+    const replay = phase.planned_replay_share || phase.replay_share;
+    rows.push(
+      el(
+        "tr",
+        { class: "ledger-phase", dataset: { phase: phase.name } },
+        el("td", {}, phase.name, phase.role === "replay" ? el("span", { class: "muted" }, " (replay)") : ""),
+        el("td", { class: "num" }, tokenCount(phase.planned_tokens)),
+        el("td", { class: "num" }, tokenCount(phase.trained_tokens)),
+        el("td", { class: "num", title: "share of the phase's tokens that is replay" }, replay ? share(phase.replay_share) : ""),
+        el("td", { class: "num" }, replay ? share(phase.planned_replay_share) : ""),
+        el("td", { class: "num" }, ""),
+        el("td", { class: "num" }, ""),
+      ),
+    );
+    for (const source of phase.sources) {
+      rows.push(
+        el(
+          "tr",
+          { class: "ledger-source", dataset: { phase: phase.name, source: source.name } },
+          el("td", {}, source.name, source.replay ? el("span", { class: "tag" }, "replay") : ""),
+          el("td", { class: "num" }, tokenCount(source.planned_tokens)),
+          el("td", { class: "num" }, tokenCount(source.trained_tokens)),
+          el("td", { class: "num" }, share(source.trained_share)),
+          el("td", { class: "num" }, share(source.planned_share)),
+          el("td", { class: "num" }, tokenCount(source.target_tokens)),
+          el("td", { class: "num" }, source.epochs === null ? "–" : source.epochs.toFixed(2)),
+        ),
+      );
+    }
+  }
+  $("#ledger-table tbody").replaceChildren(...rows);
+  $("#ledger-summary").textContent =
+    ledger.trained_tokens === null
+      ? "Replay: not counted for every phase begun (a worker from before the ledger)."
+      : `Replay: ${tokenCount(ledger.replay_tokens)} of ${tokenCount(ledger.trained_tokens)} tokens trained, ` +
+        `${share(ledger.replay_share)} (plan ${share(ledger.planned_replay_share)}); ` +
+        `of post-training tokens ${share(ledger.post_training_replay_share)} (plan ${share(ledger.planned_post_training_replay_share)}).`;
 }
 
 function queueRedraw(current) {
