@@ -237,7 +237,8 @@ class CheckpointRemoval(BaseModel):
 class CheckpointRegistered(BaseModel):
     """The answer to a checkpoint registration: the steps of this run's checkpoints that
     another run still needs as its initial checkpoint (it has not succeeded and has no
-    checkpoint of its own), at the moment of the answer. Retention keeps them (pinned)."""
+    checkpoint of its own), and the best checkpoint of each eval set the workflow's
+    `checkpoint.keep_best` names, at the moment of the answer. Retention keeps them (pinned)."""
 
     accepted: int
     pinned_steps: list[int] = []

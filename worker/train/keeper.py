@@ -44,7 +44,8 @@ class CheckpointKeeper:
     run (the fencing check): a "stop" met there raises StopOrdered, a "pause" sets
     `pause_ordered`. Older checkpoints are deleted only once the service holds the new one,
     never one the service says another run needs (pinned), and each only once the service
-    recorded its deletion."""
+    recorded its deletion. Pinned steps include the best checkpoint of each eval set the
+    workflow's `checkpoint.keep_best` names: the service picks them, retention keeps them."""
 
     def __init__(
         self,
