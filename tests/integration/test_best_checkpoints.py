@@ -1,10 +1,11 @@
-"""Best checkpoints, driven over HTTP as a worker and a user drive them on real Postgres:
-`checkpoint.keep_best` pins each named set's best checkpoint (a deletion report of it is
-refused), the checkpoints' answer says when a set's best evaluation has no checkpoint, and
-`{"run", "best": SET}` names one as another run's initial checkpoint."""
+"""Best checkpoints, driven over HTTP as a worker and a user drive them (pins on Postgres
+and SQLite): `checkpoint.keep_best` pins each named set's best checkpoint (a deletion report of
+it is refused), the checkpoints' answer says when a set's best evaluation has no checkpoint,
+and `{"run", "best": SET}` names one as another run's initial checkpoint."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -13,6 +14,7 @@ from test_leases import Claimant, error_code, start_run
 
 from service.auth import create_token
 from service.checkpoints.registry import pins
+from service.db import upgrade_database
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory
@@ -23,6 +25,21 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def api(make_settings: SettingsFactory, make_api: ApiFactory) -> Api:
     return make_api(make_settings(reaper_interval_seconds=3600))
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def any_api(
+    request: pytest.FixtureRequest,
+    make_settings: SettingsFactory,
+    make_api: ApiFactory,
+    tmp_path: Path,
+) -> Api:
+    """The app on Postgres, and on the embedded SQLite."""
+    if request.param == "postgres":
+        return make_api(make_settings(reaper_interval_seconds=3600))
+    url = f"sqlite:///{tmp_path / 'trainctl.db'}"
+    upgrade_database(url)
+    return make_api(make_settings(database_url=url, reaper_interval_seconds=3600))
 
 
 def keeping_best(tiny_workflow: WorkflowFactory) -> dict[str, Any]:
@@ -60,8 +77,9 @@ def best_of(api: Api, run_id: str) -> dict[str, dict[str, Any]]:
 
 
 def test_keep_best_pins_each_sets_best_checkpoint_until_a_better_one_is_registered(
-    api: Api, tiny_workflow: WorkflowFactory
+    any_api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
+    api = any_api
     run_id, attempt_id = start_run(api, keeping_best(tiny_workflow))
     worker = claimed(api, attempt_id)
     evaluate(worker, 0, summarization=3.0, other=3.0)

@@ -4,12 +4,14 @@ and a read that costs what it returns."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from test_bounded_reads import add_points, engine_of, rows_touched
 from test_leases import Claimant, start_run
 
+from service.db import upgrade_database
 from service.models import Run
 from service.reads.ledger import token_ledger
 
@@ -22,6 +24,21 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def api(make_settings: SettingsFactory, make_api: ApiFactory) -> Api:
     return make_api(make_settings(reaper_interval_seconds=3600))
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def any_api(
+    request: pytest.FixtureRequest,
+    make_settings: SettingsFactory,
+    make_api: ApiFactory,
+    tmp_path: Path,
+) -> Api:
+    """The app on Postgres, and on the embedded SQLite."""
+    if request.param == "postgres":
+        return make_api(make_settings(reaper_interval_seconds=3600))
+    url = f"sqlite:///{tmp_path / 'trainctl.db'}"
+    upgrade_database(url)
+    return make_api(make_settings(database_url=url, reaper_interval_seconds=3600))
 
 
 def replaying(tiny_workflow: WorkflowFactory) -> dict[str, Any]:
@@ -49,8 +66,9 @@ def ledger(api: Api, run_id: str) -> dict[str, Any]:
 
 
 def test_the_ledger_sets_each_phases_sources_trained_against_planned(
-    api: Api, tiny_workflow: WorkflowFactory
+    any_api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
+    api = any_api
     run_id, attempt_id = start_run(api, replaying(tiny_workflow))
     before = ledger(api, run_id)
     # Nothing trained yet: zeros, not unknowns; the plan is all there.
