@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from worker.checkpoint.manifest import check
@@ -35,6 +35,10 @@ MODEL_WEIGHTS = WEIGHTS_FILE
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 STATE = "state.json"
+# The token ledger's counts that depend on what the batches held (worker.train.ledger), in a
+# part of their own: a worker from before them reads state.json's keys strictly, and so still
+# resumes the checkpoint (the manifest lists this file, which it checks and leaves unread).
+LEDGER = "ledger.json"
 MANIFEST = "manifest.json"
 
 _STEP_PREFIX = "step-"
@@ -52,7 +56,8 @@ class CheckpointState:
     attempt_id: str
     groups: dict[str, list[str]]  # optimizer -> parameter names, in group order
     # Target tokens trained per source of the phase, phase steps 1 .. phase_step (the token
-    # ledger, worker.train.ledger); None in checkpoints written before it was counted.
+    # ledger, worker.train.ledger), kept in LEDGER; None in checkpoints written before it was
+    # counted.
     source_target_tokens: dict[str, int] | None = None
 
 
@@ -88,11 +93,11 @@ def temporary_name(step: int) -> str:
 
 
 def read_state(path: Path) -> CheckpointState:
-    """The checkpoint's state.json. Keys this worker does not know (written by a newer one)
-    are left out: what it resumes from them is what it knows how to continue."""
+    """The checkpoint's state.json, with the token ledger's counts (LEDGER) where it has them."""
     saved = json.loads((path / STATE).read_text())
-    known = {f.name for f in fields(CheckpointState)}
-    return CheckpointState(**{k: v for k, v in saved.items() if k in known})
+    if (path / LEDGER).is_file():
+        saved.update(json.loads((path / LEDGER).read_text()))
+    return CheckpointState(**saved)
 
 
 def verify_checkpoint(

@@ -11,10 +11,11 @@ contracts.ledger):
   .epochs_seen).
 
 Envelope tokens and epochs are pure functions of the step, as the batches are. Target tokens
-depend on what the batches held, so they are carried in each checkpoint's state and go on from
-there on resume; the claim deleted every point after the checkpoint's step, so each series
-continues exactly as an uninterrupted run's. A checkpoint written before they were counted
-carries none: the phase then reports none rather than a count that is short.
+depend on what the batches held, so they are carried in each checkpoint (its LEDGER part,
+worker.checkpoint.layout) and go on from there on resume; the claim deleted every point after
+the checkpoint's step, so each series continues exactly as an uninterrupted run's. A
+checkpoint written before they were counted carries none: the phase then reports none rather
+than a count that is short.
 """
 
 from __future__ import annotations
