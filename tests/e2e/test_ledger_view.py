@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import LiveStack, eval_results, live_stack, metric_points
+from e2e_support import LiveStack, ReportingWorker, eval_results, live_stack, metric_points
 from exact import make_initial_checkpoint
 from procs import short_demo_workflow
 from selenium.webdriver.common.by import By
@@ -67,28 +67,40 @@ def ledger_points(phase: dict[str, Any], step: int) -> list[dict[str, Any]]:
     return points
 
 
-def finished_replaying_run(live: LiveStack) -> dict[str, Any]:
-    """A run of three phases trained to its end, with the ledger's series reported."""
+def report(
+    worker: ReportingWorker, phase: dict[str, Any], index: int, first: int, last: int
+) -> None:
+    """Steps first..last of a phase as a worker reports them, the ledger's series with the
+    rest; evaluations and a checkpoint every 5 steps and at the phase's end."""
+    if first == 1:
+        worker.evals(eval_results(0, phase["name"]))
+    worker.metrics(
+        [
+            p
+            for step in range(first, last + 1)
+            for p in [*metric_points(step, phase), *ledger_points(phase, step)]
+        ]
+    )
+    for step in range(first, last + 1):
+        if step % 5 == 0 or step == phase["last_step"]:
+            worker.evals(eval_results(step, phase["name"]))
+            worker.checkpoint(step, index, step - phase["first_step"] + 1)
+    worker.heartbeat(last)
+
+
+def submit(live: LiveStack) -> dict[str, Any]:
     created = live.api.post("/runs", json={"workflow": replaying_workflow(), "name": "ledger"})
     assert created.status_code == 201, created.text
-    run = created.json()
+    return dict(created.json())
+
+
+def finished_replaying_run(live: LiveStack) -> dict[str, Any]:
+    """A run of three phases trained to its end, with the ledger's series reported."""
+    run = submit(live)
     for index, phase in enumerate(run["plan"]["phases"]):
         worker, _ = live.claim_next(run["id"])
-        first, last = phase["first_step"], phase["last_step"]
-        if first == 1:
-            worker.evals(eval_results(0, phase["name"]))
-        worker.metrics(
-            [
-                p
-                for step in range(first, last + 1)
-                for p in [*metric_points(step, phase), *ledger_points(phase, step)]
-            ]
-        )
-        for step in range(first, last + 1):
-            if step % 5 == 0 or step == last:
-                worker.evals(eval_results(step, phase["name"]))
-                worker.checkpoint(step, index, step - first + 1)
-        worker.finish("succeeded", last)
+        report(worker, phase, index, phase["first_step"], phase["last_step"])
+        worker.finish("succeeded", phase["last_step"])
     return live.run(run["id"])
 
 
@@ -152,4 +164,29 @@ def test_the_run_page_shows_the_token_ledger_and_the_best_checkpoints(
             "the initial checkpoint fact names the run, step and set",
         )
         browser.save_screenshot(str(artifacts / "initial-best-run-page.png"))
+        assert_no_console_errors(browser)
+
+
+def test_the_ledger_follows_a_running_run(
+    tmp_path: Path, postgres_url: str, redis_url: str, browser: WebDriver
+) -> None:
+    with live_stack(tmp_path, postgres_url, redis_url) as live:
+        run = submit(live)
+        pretrain = run["plan"]["phases"][0]
+        worker, _ = live.claim_next(run["id"])
+        report(worker, pretrain, 0, 1, 4)
+        open_run(browser, live, run["id"])
+        wait_for(browser, "window.trainctl.page.live === 'live'", "the page follows the events")
+        trained = "document.querySelector('#ledger-table tbody tr:nth-child(2) td:nth-child(3)')"
+        wait_for(browser, f"{trained} && {trained}.textContent === '2,048'", "4 steps trained")
+        # Phase 2 has not begun: nothing trained, known as such.
+        assert (
+            browser.execute_script(
+                "return document.querySelector('#ledger-table tr[data-source=retrieval_planning] "
+                "td:nth-child(3)').textContent;"
+            )
+            == "0"
+        )
+        report(worker, pretrain, 0, 5, 7)
+        wait_for(browser, f"{trained}.textContent === '3,584'", "the ledger reads 7 steps")
         assert_no_console_errors(browser)

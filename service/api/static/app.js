@@ -821,7 +821,11 @@ async function refreshLedger(current) {
 function queueLedger(current) {
   if (current.ledgerQueued) return;
   current.ledgerQueued = true;
-  current.timers.push(setTimeout(() => page === current && refreshLedger(current), LEDGER_REFRESH_MS));
+  const timer = setTimeout(() => {
+    current.timers = current.timers.filter((t) => t !== timer);
+    if (page === current) refreshLedger(current);
+  }, LEDGER_REFRESH_MS);
+  current.timers.push(timer); // cleared with the page
 }
 
 function tokenCount(value) {
