@@ -291,6 +291,49 @@ class EvalAt(BaseModel):
     perplexity: float | None
 
 
+class PhaseEval(BaseModel):
+    """One eval set over one phase. `start`: its latest evaluation at or before the phase's
+    first update (the previous phase's end, or the baseline for the first phase); `end`: its
+    evaluation at the phase's last step, which workers always run, or while the phase trains
+    (or when that one is missing) the latest inside the phase, `complete` false; null before
+    the phase's first evaluation. `change`: the end's perplexity against the start's, in
+    percent (negative: better; positive after a supervised phase on a pretraining set:
+    forgetting)."""
+
+    start: EvalAt | None
+    end: EvalAt | None
+    complete: bool
+    change: float | None
+
+
+class PhaseEvals(BaseModel):
+    """A phase of the run (its steps first_step..last_step) and each eval set over it, in the
+    order of `EvalByPhase.sets`."""
+
+    index: int
+    name: str
+    objective: str
+    role: str
+    first_step: int
+    last_step: int
+    sets: list[PhaseEval]
+
+
+class EvalSetRef(BaseModel):
+    name: str
+    task: str
+    baseline: EvalAt | None  # step 0, before the first update
+
+
+class EvalByPhase(BaseModel):
+    """`GET /runs/{id}/eval/phases`: the phases x eval sets matrix (forgetting phase by
+    phase): each set's value at each phase's end and its change over the phase."""
+
+    run_id: str
+    sets: list[EvalSetRef]
+    phases: list[PhaseEvals]
+
+
 class ComparedEval(BaseModel):
     """One run's results on one eval set: `baseline` (step 0), `final` (the highest step: the
     latest while the run trains), `best` (lowest cross-entropy, the earliest on ties), and the
