@@ -361,10 +361,25 @@ class ComparedEvalSet(BaseModel):
 class InputDifference(BaseModel):
     """One signed input that differs between the runs, named as a refused resume names it
     (contracts.signature.diff_components: `optimizer.adamw_lr`, `data["/d/a.jsonl"].sha256`),
-    with each run's value in the runs' order (None: the run has no such input)."""
+    with each run's value in the runs' order (None: the run has no such input), its `group`
+    (InputGroup.name) and each run's change against the first: `added` (the first has no
+    such input), `removed` (this run has none), `changed`, or None (the same; the first)."""
 
     field: str
     values: list[Any]
+    group: str = "other"
+    changes: list[str | None] = []
+
+
+class InputGroup(BaseModel):
+    """The differences of one kind, in the order a comparison shows them: `data` (data files
+    added, removed or changed), `phases` (per-phase fields), `optimizer`, `evals`, `other`
+    (model, tokenizer, seed, checkpoints, initial weights ...). `summary` counts them."""
+
+    name: str
+    title: str
+    count: int
+    summary: str
 
 
 class InputDiff(BaseModel):
@@ -374,7 +389,8 @@ class InputDiff(BaseModel):
 
     identical: bool
     same_signature: bool
-    differences: list[InputDifference]
+    differences: list[InputDifference]  # by group (in `groups`' order), then field
+    groups: list[InputGroup] = []  # the groups with differences
     summary: str
 
 
