@@ -24,6 +24,8 @@ import {
   setEvalData,
   setLossData,
   setLrData,
+  setSourceLossData,
+  sourceLossChart,
 } from "./charts.js";
 
 const METRICS = ["loss", "lr", "lr_muon"];
@@ -181,6 +183,7 @@ function stopPage() {
   } else if (page.plots) {
     destroyPlot(page.plots.loss);
     destroyPlot(page.plots.lr);
+    destroyPlot(page.plots.sources);
     for (const plot of Object.values(page.plots.evals)) destroyPlot(plot);
   }
   page = null;
@@ -490,20 +493,26 @@ async function openRun(runId) {
     live: "connecting",
     events: 0,
     redrawQueued: false,
+    sources: [],
+    phases: null,
   };
   page = current;
   window.trainctl.page = current;
   setLive("connecting");
   const { signal } = current.abort;
   try {
-    const [run, metrics, evals, checkpoints] = await Promise.all([
+    const [run, metrics, evals, checkpoints, phases] = await Promise.all([
       getJson(`/runs/${encodeURIComponent(runId)}`, {}, { signal }),
       getJson(`/runs/${encodeURIComponent(runId)}/metrics`, { names: METRICS.join(","), max_points: MAX_POINTS }, { signal }),
       getJson(`/runs/${encodeURIComponent(runId)}/eval`, { max_points: MAX_POINTS }, { signal }),
       getJson(`/runs/${encodeURIComponent(runId)}/checkpoints`, {}, { signal }),
+      getJson(`/runs/${encodeURIComponent(runId)}/eval/phases`, {}, { signal }),
     ]);
     if (page !== current) return;
     current.run = run;
+    current.phases = phases;
+    await loadSourceLoss(current);
+    if (page !== current) return;
     for (const name of METRICS) {
       if (metrics[name]) mergeSeries(current.metrics[name], metrics[name].steps, metrics[name].values);
     }
@@ -512,9 +521,11 @@ async function openRun(runId) {
       current.evals[name] = { task: summary.task, baseline: summary.baseline, best: summary.best, history: [...summary.history] };
     }
     const boundaries = () => (current.run ? phaseBoundaries(current.run) : []);
+    $("#source-loss-card").hidden = current.sources.length === 0;
     current.plots = {
       loss: lossChart($("#loss-chart"), boundaries),
       lr: lrChart($("#lr-chart"), boundaries),
+      sources: current.sources.length ? sourceLossChart($("#source-loss-chart"), current.sources, boundaries) : null,
       evals: {},
       boundaries,
     };
@@ -523,6 +534,7 @@ async function openRun(runId) {
     renderCheckpoints(checkpoints);
     current.checkpointStep = run.latest_checkpoint ? run.latest_checkpoint.step : null;
     redraw(current);
+    renderPhaseMatrix(current);
   } catch (err) {
     if (page === current) handleError(err);
     return;
@@ -576,6 +588,7 @@ function follow(current) {
         current.events += 1;
         for (const point of points) addEval(current, point);
         queueRedraw(current);
+        schedulePhaseMatrix(current);
       },
       rewind: ({ step }) => {
         current.events += 1;
@@ -585,6 +598,7 @@ function follow(current) {
           set.best = bestOf(set.history);
         }
         queueRedraw(current);
+        schedulePhaseMatrix(current);
       },
       end: () => {
         current.events += 1;
@@ -604,7 +618,7 @@ function cursor(current) {
     .map((set) => (set.history.length ? set.history[set.history.length - 1].step : null))
     .filter((s) => s !== null);
   return {
-    names: METRICS.join(","),
+    names: [...METRICS, ...current.sources.flatMap((s) => s.metrics)].join(","),
     metrics_after: metricSteps.length ? Math.min(...metricSteps) : -1,
     evals_after: evalSteps.length ? Math.min(...evalSteps) : -1,
   };
@@ -786,6 +800,7 @@ function redraw(current) {
   const { plots, metrics } = current;
   setLossData(plots.loss, metrics.loss);
   setLrData(plots.lr, metrics.lr, metrics.lr_muon);
+  renderSourceLoss(current);
   renderEvals(current);
 }
 
@@ -851,6 +866,163 @@ function renderEvals(current) {
   $("#eval-table tbody").replaceChildren(...rows);
   $("#eval-table").hidden = names.length === 0;
   $("#eval-empty").hidden = names.length !== 0;
+}
+
+// --- training loss by data source ------------------------------------------------------------------
+
+// The most series one stream or read may name (service.reads.series.MAX_SERIES_PER_READ).
+const MAX_SERIES = 64;
+
+// The run's data sources by name, each with the phases it is trained in: a mixture phase reports
+// `loss/<name>` per source (worker.train.loop), a one-source phase only `loss`, which is then
+// its source's. [] when a line per source would only repeat the loss chart (every phase has
+// one source of its own).
+function sourceLines(plan) {
+  const byName = new Map();
+  for (const phase of plan.phases) {
+    for (const source of phase.sources || []) {
+      if (!byName.has(source.name)) byName.set(source.name, { name: source.name, mixed: [], alone: [] });
+      const line = byName.get(source.name);
+      (phase.sources.length > 1 ? line.mixed : line.alone).push(phase);
+    }
+  }
+  const lines = [...byName.values()];
+  const informative = lines.some((line) => line.mixed.length > 0 || line.alone.length > 1);
+  if (!informative) return [];
+  return lines.slice(0, MAX_SERIES - METRICS.length).map((line, i) => ({
+    ...line,
+    color: runColor(i),
+    metrics: line.mixed.length ? [`loss/${line.name}`] : [],
+  }));
+}
+
+async function loadSourceLoss(current) {
+  current.sources = sourceLines(current.run.plan);
+  const names = current.sources.flatMap((s) => s.metrics);
+  for (const name of names) current.metrics[name] = emptySeries();
+  if (!names.length) return;
+  const read = await getJson(
+    `/runs/${encodeURIComponent(current.runId)}/metrics`,
+    { names: names.join(","), max_points: MAX_POINTS },
+    { signal: current.abort.signal },
+  );
+  for (const name of names) {
+    if (read[name]) mergeSeries(current.metrics[name], read[name].steps, read[name].values);
+  }
+}
+
+// One source's points: its `loss/<name>` in mixture phases and the loss of the phases it alone
+// is trained in.
+function sourceSeries(current, line) {
+  const points = [];
+  const mixed = current.metrics[`loss/${line.name}`] || emptySeries();
+  mixed.steps.forEach((step, i) => points.push([step, mixed.values[i]]));
+  const loss = current.metrics.loss;
+  for (const phase of line.alone) {
+    loss.steps.forEach((step, i) => {
+      if (step >= phase.first_step && step <= phase.last_step) points.push([step, loss.values[i]]);
+    });
+  }
+  points.sort((a, b) => a[0] - b[0]);
+  return { steps: points.map((p) => p[0]), values: points.map((p) => p[1]) };
+}
+
+function renderSourceLoss(current) {
+  if (!current.plots.sources) return;
+  setSourceLossData(current.plots.sources, current.sources.map((line) => sourceSeries(current, line)));
+}
+
+// --- forgetting, phase by phase (GET /runs/{id}/eval/phases) ---------------------------------------
+
+// Read the matrix again shortly after new evaluations arrive (once for a burst of them).
+function schedulePhaseMatrix(current) {
+  if (current.phasesTimer) return;
+  current.phasesTimer = setTimeout(async () => {
+    current.phasesTimer = null;
+    try {
+      const phases = await getJson(
+        `/runs/${encodeURIComponent(current.runId)}/eval/phases`,
+        {},
+        { signal: current.abort.signal },
+      );
+      if (page !== current) return;
+      current.phases = phases;
+      renderPhaseMatrix(current);
+    } catch (err) {
+      if (page === current) handleError(err);
+    }
+  }, 500);
+  current.timers.push(current.phasesTimer);
+}
+
+// Green when the perplexity fell over the phase, red when it rose, stronger the larger the
+// change (full at a factor of 4 either way).
+function changeColor(change) {
+  const ratio = Math.abs(Math.log(1 + change / 100));
+  const alpha = 0.08 + 0.5 * Math.min(1, ratio / Math.log(4));
+  return change < 0 ? `rgba(15, 123, 95, ${alpha.toFixed(3)})` : `rgba(180, 35, 24, ${alpha.toFixed(3)})`;
+}
+
+function phaseCell(cell, set) {
+  if (!cell.end || cell.end.perplexity === null) {
+    return el("td", { class: "num muted", dataset: { set: set.name } }, "–");
+  }
+  const start = cell.start ? `${formatNumber(cell.start.perplexity)} at step ${cell.start.step}` : "none";
+  const title =
+    `${set.name}: ${formatNumber(cell.end.perplexity)} at step ${cell.end.step}, from ${start}` +
+    (cell.complete ? "" : " (the phase has not evaluated its last step yet)");
+  const td = el(
+    "td",
+    { class: "num phase-cell", title, dataset: { set: set.name, complete: String(cell.complete) } },
+    el("span", { class: "value" }, formatNumber(cell.end.perplexity)),
+    cell.complete ? null : el("span", { class: "so-far" }, "*"),
+  );
+  if (cell.change !== null) {
+    const sign = cell.change > 0 ? "+" : cell.change < 0 ? "−" : "±";
+    const size = Math.abs(cell.change);
+    td.append(el("span", { class: "delta" }, `${sign}${size < 10 ? size.toFixed(1) : size.toFixed(0)}%`));
+    td.dataset.change = cell.change > 0 ? "worse" : cell.change < 0 ? "better" : "same";
+    if (cell.change !== 0) td.style.backgroundColor = changeColor(cell.change);
+  }
+  return td;
+}
+
+function renderPhaseMatrix(current) {
+  const answer = current.phases;
+  const card = $("#phase-card");
+  card.hidden = !answer || answer.sets.length === 0;
+  if (card.hidden) return;
+  const { sets, phases } = answer;
+  $("#phase-matrix thead").replaceChildren(
+    el(
+      "tr",
+      {},
+      el("th", {}, "Phase"),
+      el("th", { class: "num" }, "Steps"),
+      ...sets.map((set) => el("th", { class: "num", title: set.task }, set.name)),
+    ),
+  );
+  const baseline = el(
+    "tr",
+    { class: "baseline-row", dataset: { phase: "" } },
+    el("td", {}, "Baseline"),
+    el("td", { class: "num" }, "0"),
+    ...sets.map((set) =>
+      el("td", { class: "num", dataset: { set: set.name } }, set.baseline ? formatNumber(set.baseline.perplexity) : "–"),
+    ),
+  );
+  $("#phase-matrix tbody").replaceChildren(
+    baseline,
+    ...phases.map((phase) =>
+      el(
+        "tr",
+        { dataset: { phase: phase.name } },
+        el("td", {}, phase.name, phase.role === "replay" ? el("span", { class: "tag replay-tag" }, "replay") : null),
+        el("td", { class: "num muted" }, `${phase.first_step}–${phase.last_step}`),
+        ...phase.sets.map((cell, i) => phaseCell(cell, sets[i])),
+      ),
+    ),
+  );
 }
 
 // --- a run's name, tags and note: shown on its page, editable by tokens that write ---------------
@@ -1069,25 +1241,67 @@ function shown(value) {
   return typeof value === "string" ? value : JSON.stringify(value);
 }
 
+// A group of more fields than this is folded (a <details> closed until clicked).
+const FOLD_AFTER = 5;
+
 function renderInputs(comparison) {
   const { inputs, runs } = comparison;
   const identical = $("#compare-identical");
-  const table = $("#compare-inputs");
+  const container = $("#compare-inputs");
+  const summary = $("#compare-summary");
   identical.hidden = !inputs.identical;
   identical.textContent = inputs.identical ? `Identical inputs: ${inputs.summary.replace(/^identical inputs: /, "")}.` : "";
-  table.hidden = inputs.identical;
-  if (inputs.identical) return;
-  table.querySelector("thead").replaceChildren(
-    el("tr", {}, el("th", {}, "Field"), ...runs.map((run, i) => el("th", {}, swatch(i), run.name))),
+  container.hidden = inputs.identical;
+  summary.hidden = inputs.identical;
+  summary.textContent = inputs.identical ? "" : inputs.summary;
+  if (inputs.identical) {
+    container.replaceChildren();
+    return;
+  }
+  // An answer from a service without groups: one group of every difference.
+  const groups = inputs.groups && inputs.groups.length
+    ? inputs.groups
+    : [{ name: "other", title: "inputs", count: inputs.differences.length, summary: `${inputs.differences.length} fields` }];
+  // Keep what the user opened or closed across refreshes.
+  const wasOpen = Object.fromEntries([...container.querySelectorAll("details")].map((d) => [d.dataset.group, d.open]));
+  container.replaceChildren(
+    ...groups.map((group) => {
+      const members = inputs.differences.filter((d) => (d.group || "other") === group.name);
+      const details = el(
+        "details",
+        { class: "input-group", dataset: { group: group.name, count: members.length } },
+        el("summary", {}, el("strong", {}, group.title), " ", el("span", { class: "muted" }, group.summary)),
+        inputsTable(members, runs),
+      );
+      details.open = group.name in wasOpen ? wasOpen[group.name] : members.length <= FOLD_AFTER;
+      return details;
+    }),
   );
-  table.querySelector("tbody").replaceChildren(
-    ...inputs.differences.map((d) =>
-      el(
-        "tr",
-        { dataset: { field: d.field } },
-        el("td", { class: "mono" }, d.field),
-        ...d.values.map((value, i) =>
-          el("td", { class: `mono value${i > 0 && shown(value) !== shown(d.values[0]) ? " differs" : ""}`, dataset: { run: runs[i].id } }, shown(value)),
+}
+
+function inputsTable(differences, runs) {
+  return el(
+    "table",
+    { class: "table compact" },
+    el("thead", {}, el("tr", {}, el("th", {}, "Field"), ...runs.map((run, i) => el("th", {}, swatch(i), run.name)))),
+    el(
+      "tbody",
+      {},
+      ...differences.map((d) =>
+        el(
+          "tr",
+          { dataset: { field: d.field } },
+          el("td", { class: "mono" }, d.field),
+          ...d.values.map((value, i) => {
+            const change = (d.changes || [])[i];
+            const data = change ? { run: runs[i].id, change } : { run: runs[i].id };
+            return el(
+              "td",
+              { class: `mono value${change ? " differs" : ""}`, dataset: data },
+              el("span", { class: "shown" }, shown(value)),
+              change ? el("span", { class: `change-tag change-${change}` }, change) : null,
+            );
+          }),
         ),
       ),
     ),
@@ -1155,10 +1369,11 @@ function renderCompareEvals(current) {
       $("#compare-eval-charts").append(el("figure", { class: "card chart-card", dataset: { set: set.name } }, caption, holder));
       plot = compareChart(holder, {
         runs: runs.map((run, i) => ({ name: run.name, color: runColor(i) })),
-        yLabel: "perplexity",
+        yLabel: "perplexity (log)",
         getBoundaries: plots.boundaries,
         points: true,
         title: set.name,
+        log: true,
       });
       plots.evals[set.name] = plot;
     }
