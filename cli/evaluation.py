@@ -76,8 +76,8 @@ def phase_matrix(answer: dict[str, Any]) -> Group:
     sets = answer["sets"]
     if not sets:
         return Group(Text("no evaluations yet"))
-    columns = [text("phase", min_width=12), *(number(s["name"]) for s in sets)]
-    baseline: list[str | Text] = ["baseline (step 0)"]
+    columns = [text("phase", min_width=16), *(number(s["name"]) for s in sets)]
+    baseline: list[str | Text] = ["baseline"]
     baseline += [
         f"{s['baseline']['perplexity']:.2f}"
         if s["baseline"] and s["baseline"]["perplexity"] is not None
