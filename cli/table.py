@@ -4,8 +4,10 @@ Given a table wider than the terminal (80 columns in a pipe or a small window), 
 every column alike and cuts numbers ("3.4…") or wraps their digits. `FittedTable` decides at
 render time, for the width it is given, in this order:
 
+0. leave out a droppable column with nothing in it (a task column blank where each task
+   only repeats its set's name);
 1. drop the columns that go first (`Column.drop` below SHORTEN: a task column that only
-   repeats its set's name, a timestamp);
+   repeats its set's name);
 2. wrap the headers of whole columns over their numbers, then shorten text columns with an
    ellipsis, widest first, down to their `min_width`;
 3. drop the other droppable columns, lowest `drop` first, lengthening text again as room
