@@ -278,7 +278,8 @@ def runs_export(
 ) -> None:
     """Write the run's metrics and evaluations as CSV: DIR/metrics.csv
     (run_id,name,step,value) and DIR/evals.csv (run_id,name,task,step,phase,cross_entropy,
-    perplexity,records,target_tokens,oversized_records); docs/operations.md has the columns."""
+    perplexity,records,target_tokens,oversized_records,skipped_<reason>...); docs/operations.md
+    has the columns."""
     from cli.client import ApiError
     from cli.common import client
     from cli.compare import count_rows, export_paths
