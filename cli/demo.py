@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.client import ApiClient
+from cli.skipped import notes, records_columns, skipped_cells
 from cli.stack import free_port, spawn, stop, wait_healthy
 from cli.watch import watch
 from contracts.paths import ROOTS_VARIABLE
@@ -37,6 +38,25 @@ def eval_table(answer: dict[str, Any]) -> Table:
             f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-",
         )
     return table
+
+
+def records_table(answer: dict[str, Any]) -> Table:
+    """Beside `eval_table`: per eval set, the records its latest evaluation scored and skipped,
+    and why (cli/skipped.py)."""
+    table = records_columns("records per eval set, latest evaluation")
+    for name, summary in sorted(answer["tasks"].items()):
+        latest = summary["latest"]
+        skipped = latest.get("skipped_records", {})  # none from a service before them
+        table.add_row(name, *skipped_cells(latest["records"], latest["oversized_records"], skipped))
+    return table
+
+
+def skipped_notes(answer: dict[str, Any]) -> list[str]:
+    """Below `records_table`: what its mark means, and the first records each set skipped."""
+    sets = sorted(answer["tasks"].items())
+    return notes(
+        (name, summary["latest"], summary.get("skipped_examples", [])) for name, summary in sets
+    )
 
 
 def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[str, float, float]]:
@@ -104,6 +124,9 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
         losses.add_row(name, f"{first:.3f}", f"{last:.3f}")
     console.print(losses)
     console.print(eval_table(evals))
+    console.print(records_table(evals))
+    for line in skipped_notes(evals):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
     problems = [
         f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a

@@ -376,9 +376,9 @@ def runs_eval(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity
-    (history with --json)."""
-    from cli.demo import eval_table
+    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity,
+    and the records scored and skipped, why and which (history with --json)."""
+    from cli.demo import eval_table, records_table, skipped_notes
 
     params = {"max_points": max_points} if max_points else {}
     answer = call("GET", f"/runs/{run_id}/eval", params=params)
@@ -386,3 +386,6 @@ def runs_eval(
         print(json.dumps(answer, indent=2))
     else:
         console.print(eval_table(answer))
+        console.print(records_table(answer))
+        for line in skipped_notes(answer):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
