@@ -671,9 +671,17 @@ class Stores:
 def prepare_file(request: PrepareRequest, stores: Stores) -> PreparedStore:
     """The store of `request.path` that a phase with the request's objective and
     sequence_length would build before its first step (same key: the phase maps it), built now
-    unless a complete one is there already. Memory is the build's: ENCODE_BATCH records."""
+    unless a complete one is there already. Memory is the build's: ENCODE_BATCH records. A file
+    with lines that are not records is refused, as that phase would refuse it."""
     started = time.perf_counter()
     store, built = stores.open(request.path, request.fit)
+    if store.invalid:
+        # Built all the same (an eval set reading the file maps it), but a phase refuses it.
+        count = sum(store.invalid.values())
+        raise DataError(
+            f"{store.invalid_lines[0].message(request.path)}: {count} lines of it are not "
+            "records, so a phase reading it refuses it; fix them and prepare it again"
+        )
     return PreparedStore(
         path=request.path,
         store=str(store.path),
