@@ -35,6 +35,8 @@ from worker.error import ConfigError, DataError
 from worker.link.reporter import Reporter
 from worker.train.objective import objective_loss
 
+_NO_TARGET = "with no target tokens: nothing of it can be scored"
+
 
 @dataclass(frozen=True)
 class EvalData:
@@ -59,7 +61,9 @@ def load_eval_data(
 ) -> EvalData:
     """The rows of an eval file, read from its token store (without `stores`, a private
     one). Held-out text is cut into windows whose targets cover every token after the first
-    exactly once; supervised records are fitted as in training."""
+    exactly once; supervised records are fitted as in training. What cannot be scored is
+    skipped and counted (lines that are not records, records of the wrong shape for the task,
+    without target tokens, too long); DataError, naming the file, when nothing is left."""
     if stores is None:
         with Stores.temporary(tokenizer) as temporary:
             return load_eval_data(
@@ -88,7 +92,7 @@ def load_eval_data(
         oversized = np.zeros(len(store), bool)
     else:
         zero = ~wrong & columns["zero_target"]
-        skipped.add("no_target", zero, lambda i: f"{KINDS[columns['kind'][i]]} record {ZERO}")
+        skipped.add("no_target", zero, lambda i: f"{KINDS[columns['kind'][i]]} record {_NO_TARGET}")
         oversized = ~wrong & ~zero & ~columns["fits"]
         skipped.add("oversized", oversized, lambda i: store.unusable_reason(i, sequence_length + 1))
         scored = ~wrong & ~zero & columns["fits"]
@@ -114,9 +118,6 @@ def load_eval_data(
             f"sequence_length {sequence_length}): {_left_out(data)}"
         )
     return data
-
-
-ZERO = "with no target tokens: nothing of it can be scored"
 
 
 class _Skipped:
