@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
 from cli.client import ApiClient
 from cli.evaluation import percent, perplexity, phase_matrix, task_cell, task_column
+from cli.skipped import notes, records_columns, skipped_cells
 from cli.stack import free_port, spawn, stop, wait_healthy
 from cli.table import FittedTable, number, text
 from cli.watch import watch
@@ -49,6 +51,25 @@ def eval_table(answer: dict[str, Any]) -> FittedTable:
         )
     return FittedTable(
         columns, rows, title="evaluation per eval set: target-only perplexity", repeat=1
+    )
+
+
+def records_table(answer: dict[str, Any]) -> Table:
+    """Beside `eval_table`: per eval set, the records its latest evaluation scored and skipped,
+    and why (cli/skipped.py)."""
+    table = records_columns("records per eval set, latest evaluation")
+    for name, summary in sorted(answer["tasks"].items()):
+        latest = summary["latest"]
+        skipped = latest.get("skipped_records", {})  # none from a service before them
+        table.add_row(name, *skipped_cells(latest["records"], latest["oversized_records"], skipped))
+    return table
+
+
+def skipped_notes(answer: dict[str, Any]) -> list[str]:
+    """Below `records_table`: what its mark means, and the first records each set skipped."""
+    sets = sorted(answer["tasks"].items())
+    return notes(
+        (name, summary["latest"], summary.get("skipped_examples", [])) for name, summary in sets
     )
 
 
@@ -120,6 +141,9 @@ def run_demo(workflow: dict[str, Any], *, home: Path, timeout: float) -> bool:
     console.print(loss_table(phase_losses))
     console.print(eval_table(evals))
     console.print(phase_matrix(by_phase))
+    console.print(records_table(evals))
+    for line in skipped_notes(evals):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
     problems = [
         f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a

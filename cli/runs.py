@@ -307,7 +307,8 @@ def runs_export(
 ) -> None:
     """Write the run's metrics and evaluations as CSV: DIR/metrics.csv
     (run_id,name,step,value) and DIR/evals.csv (run_id,name,task,step,phase,cross_entropy,
-    perplexity,records,target_tokens,oversized_records); docs/operations.md has the columns."""
+    perplexity,records,target_tokens,oversized_records,skipped_<reason>...); docs/operations.md
+    has the columns."""
     from cli.client import ApiError
     from cli.common import client
     from cli.compare import count_rows, export_paths
@@ -412,8 +413,9 @@ def runs_eval(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity
-    (history with --json); --by-phase: a row per phase, a column per set."""
+    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity,
+    and the records scored and skipped, why and which (history with --json); --by-phase: a row
+    per phase, a column per set."""
     if by_phase:
         from cli.evaluation import phase_matrix
 
@@ -423,7 +425,7 @@ def runs_eval(
         else:
             console.print(phase_matrix(matrix))
         return
-    from cli.demo import eval_table
+    from cli.demo import eval_table, records_table, skipped_notes
 
     params = {"max_points": max_points} if max_points else {}
     answer = call("GET", f"/runs/{run_id}/eval", params=params)
@@ -431,3 +433,6 @@ def runs_eval(
         print(json.dumps(answer, indent=2))
     else:
         console.print(eval_table(answer))
+        console.print(records_table(answer))
+        for line in skipped_notes(answer):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)

@@ -1,7 +1,8 @@
 """Evaluation summaries (`GET /runs/{id}/eval`): per eval set its baseline, latest, best and
-history; each set phase by phase (`GET /runs/{id}/eval/phases`: its value at each phase's end
-and the change over the phase); and an evaluation row as the API answers it, which the event
-stream and the CSV export read too. Rows become plain JSON-able values, never pydantic objects.
+history, and the first records it skipped; each set phase by phase (`GET /runs/{id}/eval/phases`:
+its value at each phase's end and the change over the phase); and an evaluation row as the API
+answers it, which the event stream and the CSV export read too. Rows become plain JSON-able
+values, never pydantic objects.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import Integer, literal, select, union_all
+from sqlalchemy import Integer, func, literal, select, tuple_, union_all
 from sqlalchemy.orm import Session
 
 from contracts.workflow import Plan
@@ -59,12 +60,13 @@ EVAL_COLUMNS = (
     EvalResult.records,
     EvalResult.target_tokens,
     EvalResult.oversized_records,
+    EvalResult.skipped_records,
 )
 
 
 def eval_point(row: Any) -> EvalPoint:
     """A row of EVAL_COLUMNS as a JSON-able point (non-finite numbers as null)."""
-    name, task, step, phase, ce, ppl, records, target_tokens, oversized = row
+    name, task, step, phase, ce, ppl, records, target_tokens, oversized, skipped = row
     return {
         "name": name,
         "task": task,
@@ -75,13 +77,31 @@ def eval_point(row: Any) -> EvalPoint:
         "records": records,
         "target_tokens": target_tokens,
         "oversized_records": oversized,
+        "skipped_records": skipped,
     }
 
 
 def eval_summary(*, session: Session, run_id: str, max_points: int | None = None) -> dict[str, Any]:
+    """Per eval set its summary (summarize_evals) and `skipped_examples`: the first records its
+    latest evaluation skipped, as "file:line: reason" (the same at every step of a run: its
+    file and sequence_length are fixed), read from that one row per set, not from every
+    point."""
     rows = session.execute(select(*EVAL_COLUMNS).where(EvalResult.run_id == run_id))
     points = [eval_point(row) for row in rows]
-    return {"run_id": run_id, "tasks": summarize_evals(points, max_points=max_points)}
+    sets = summarize_evals(points, max_points=max_points)
+    latest = (
+        select(EvalResult.name, func.max(EvalResult.step))
+        .where(EvalResult.run_id == run_id)
+        .group_by(EvalResult.name)
+    )
+    examples = session.execute(
+        select(EvalResult.name, EvalResult.skipped_examples).where(
+            EvalResult.run_id == run_id, tuple_(EvalResult.name, EvalResult.step).in_(latest)
+        )
+    )
+    for name, skipped in examples:
+        sets[name]["skipped_examples"] = skipped
+    return {"run_id": run_id, "tasks": sets}
 
 
 # (set, step) ranges per statement of `latest_at_or_before`: SQLite refuses a compound SELECT

@@ -235,7 +235,8 @@ def test_tags_notes_filters_and_csv_exports(tmp_path: Path, postgres_url: str) -
         eval_rows = list(csv.DictReader(io.StringIO(evals.text)))
         assert list(eval_rows[0]) == [
             "run_id", "name", "task", "step", "phase", "cross_entropy", "perplexity",
-            "records", "target_tokens", "oversized_records",
+            "records", "target_tokens", "oversized_records", "skipped_malformed_json",
+            "skipped_wrong_shape", "skipped_no_target",
         ]  # fmt: skip
         assert len(eval_rows) == len(EVAL_SETS) * 3  # steps 0, 5 and 10
         assert_error(

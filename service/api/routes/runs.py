@@ -305,9 +305,11 @@ def read_metrics(
 def read_eval(
     run: RunDep, session: SessionDep, max_points: MaxPoints = None, format: Format = "json"
 ) -> Response:
-    """Per task: baseline (step 0), latest, best (lowest cross-entropy) and history.
-    `format=csv`: `run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,
-    oversized_records`, a row per eval set and step (every one; `max_points` is for JSON)."""
+    """Per eval set: baseline (step 0), latest, best (lowest cross-entropy), history, and the
+    first records it skipped (`skipped_examples`). `format=csv`: `run_id,name,task,step,phase,
+    cross_entropy,perplexity,records,target_tokens,oversized_records,skipped_malformed_json,
+    skipped_wrong_shape,skipped_no_target`, a row per eval set and step (every one;
+    `max_points` is for JSON)."""
     if format == "csv":
         return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
     return JSONResponse(eval_summary(session=session, run_id=run.id, max_points=max_points))

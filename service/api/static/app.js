@@ -38,6 +38,10 @@ const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const COMPARE_POINTS = 1000;
 const COMPARE_REFRESH_MS = 3000;
 const COMPARE_METRICS = ["loss", "lr"];
+// Why an eval set skips a record, in words, and the share of its records past which a set is
+// marked: contracts/reports.py's SKIP_REASONS and SKIPPED_MARK_SHARE.
+const SKIP_REASONS = { malformed_json: "malformed JSON", wrong_shape: "wrong shape", no_target: "no target tokens" };
+const SKIPPED_MARK_SHARE = 0.02;
 
 // The runs table's filters and the runs ticked for a comparison (in the order ticked: the
 // first is the reference), kept while the page lives.
@@ -520,6 +524,7 @@ async function openRun(runId) {
     for (const [name, summary] of Object.entries(evals.tasks)) {
       current.evals[name] = { task: summary.task, baseline: summary.baseline, best: summary.best, history: [...summary.history] };
     }
+    current.skippedExamples = skippedExamplesOf(evals);
     const boundaries = () => (current.run ? phaseBoundaries(current.run) : []);
     $("#source-loss-card").hidden = current.sources.length === 0;
     current.plots = {
@@ -835,6 +840,8 @@ function renderEvals(current) {
         changeBadge("td", percent, "num"),
         el("td", { class: "num" }, entry.best ? `${formatNumber(entry.best.perplexity)} @ ${entry.best.step}` : "–"),
         el("td", { class: "num" }, latest ? latest.step : "–"),
+        el("td", { class: "num scored" }, latest ? latest.records.toLocaleString() : "–"),
+        skippedCell(latest),
       ),
     );
     let plot = current.plots.evals[name];
@@ -866,6 +873,83 @@ function renderEvals(current) {
   $("#eval-table tbody").replaceChildren(...rows);
   $("#eval-table").hidden = names.length === 0;
   $("#eval-empty").hidden = names.length !== 0;
+  renderSkipped(current);
+}
+
+// --- what an eval set skipped: counted by reason on every point, the first records per set ------
+
+function skippedExamplesOf(answer) {
+  return Object.fromEntries(Object.entries(answer.tasks).map(([name, summary]) => [name, summary.skipped_examples || []]));
+}
+
+// Records an evaluation skipped: too long, and the others by reason (none from older services).
+function skippedOf(point) {
+  const reasons = point.skipped_records || {};
+  const count = point.oversized_records + Object.values(reasons).reduce((a, b) => a + b, 0);
+  const share = count ? count / (point.records + count) : 0;
+  const why = [
+    ...(point.oversized_records ? [`${point.oversized_records.toLocaleString()} too long`] : []),
+    ...Object.entries(reasons)
+      .filter(([, n]) => n > 0)
+      .map(([reason, n]) => `${n.toLocaleString()} ${SKIP_REASONS[reason] || reason}`),
+  ];
+  return { count, share, why: why.join(", "), marked: share > SKIPPED_MARK_SHARE };
+}
+
+function skippedCell(latest) {
+  if (!latest) return el("td", { class: "num skipped" }, "–");
+  const { count, share, why, marked } = skippedOf(latest);
+  const title = count ? `${why} (${(100 * share).toFixed(1)}% of the set's records)` : "none skipped";
+  return el(
+    "td",
+    { class: `num skipped${marked ? " skipped-many" : ""}`, title },
+    count.toLocaleString(),
+    marked ? el("span", { class: "skipped-mark", title: `more than ${100 * SKIPPED_MARK_SHARE}% skipped` }, " !") : null,
+  );
+}
+
+// Below the eval table, per set that skipped records: how many, why, and the first ones. The
+// examples come with GET /eval; a set whose first skips arrive live has them read once.
+function renderSkipped(current) {
+  const items = [];
+  const missing = [];
+  current.skippedExamples ||= {};
+  current.skippedAsked ||= new Set();
+  for (const name of Object.keys(current.evals).sort()) {
+    const history = current.evals[name].history;
+    const latest = history.length ? history[history.length - 1] : null;
+    if (!latest) continue;
+    const { count, share, why, marked } = skippedOf(latest);
+    if (!count) continue;
+    const examples = current.skippedExamples[name];
+    if (!(examples && examples.length) && !current.skippedAsked.has(name)) missing.push(name);
+    items.push(
+      el(
+        "li",
+        { class: marked ? "skipped-many" : "", dataset: { set: name } },
+        el("strong", {}, name),
+        ` skipped ${count.toLocaleString()} of ${(latest.records + count).toLocaleString()} records (${(100 * share).toFixed(1)}%): ${why}`,
+        marked ? el("span", { class: "skipped-mark" }, " !") : null,
+        examples && examples.length ? el("ul", {}, ...examples.map((example) => el("li", {}, el("code", {}, example)))) : null,
+      ),
+    );
+  }
+  $("#eval-skipped").replaceChildren(...items);
+  $("#eval-skipped").hidden = items.length === 0;
+  if (missing.length) readSkippedExamples(current, missing);
+}
+
+async function readSkippedExamples(current, names) {
+  for (const name of names) current.skippedAsked.add(name);
+  try {
+    const answer = await getJson(`/runs/${encodeURIComponent(current.runId)}/eval`, { max_points: 1 }, { signal: current.abort.signal });
+    if (page !== current) return;
+    const read = skippedExamplesOf(answer);
+    for (const name of names) current.skippedExamples[name] = read[name] || [];
+    queueRedraw(current);
+  } catch (err) {
+    if (page === current) handleError(err);
+  }
 }
 
 // --- training loss by data source ------------------------------------------------------------------
