@@ -347,6 +347,49 @@ class EvalAt(BaseModel):
     perplexity: float | None
 
 
+class PhaseEval(BaseModel):
+    """One eval set over one phase. `start`: its latest evaluation at or before the phase's
+    first update (the previous phase's end, or the baseline for the first phase); `end`: its
+    evaluation at the phase's last step, which workers always run, or while the phase trains
+    (or when that one is missing) the latest inside the phase, `complete` false; null before
+    the phase's first evaluation. `change`: the end's perplexity against the start's, in
+    percent (negative: better; positive after a supervised phase on a pretraining set:
+    forgetting)."""
+
+    start: EvalAt | None
+    end: EvalAt | None
+    complete: bool
+    change: float | None
+
+
+class PhaseEvals(BaseModel):
+    """A phase of the run (its steps first_step..last_step) and each eval set over it, in the
+    order of `EvalByPhase.sets`."""
+
+    index: int
+    name: str
+    objective: str
+    role: str
+    first_step: int
+    last_step: int
+    sets: list[PhaseEval]
+
+
+class EvalSetRef(BaseModel):
+    name: str
+    task: str
+    baseline: EvalAt | None  # step 0, before the first update
+
+
+class EvalByPhase(BaseModel):
+    """`GET /runs/{id}/eval/phases`: the phases x eval sets matrix (forgetting phase by
+    phase): each set's value at each phase's end and its change over the phase."""
+
+    run_id: str
+    sets: list[EvalSetRef]
+    phases: list[PhaseEvals]
+
+
 class ComparedEval(BaseModel):
     """One run's results on one eval set: `baseline` (step 0), `final` (the highest step: the
     latest while the run trains), `best` (lowest cross-entropy, the earliest on ties), and the
@@ -374,10 +417,25 @@ class ComparedEvalSet(BaseModel):
 class InputDifference(BaseModel):
     """One signed input that differs between the runs, named as a refused resume names it
     (contracts.signature.diff_components: `optimizer.adamw_lr`, `data["/d/a.jsonl"].sha256`),
-    with each run's value in the runs' order (None: the run has no such input)."""
+    with each run's value in the runs' order (None: the run has no such input), its `group`
+    (InputGroup.name) and each run's change against the first: `added` (the first has no
+    such input), `removed` (this run has none), `changed`, or None (the same; the first)."""
 
     field: str
     values: list[Any]
+    group: str = "other"
+    changes: list[str | None] = []
+
+
+class InputGroup(BaseModel):
+    """The differences of one kind, in the order a comparison shows them: `data` (data files
+    added, removed or changed), `phases` (per-phase fields), `optimizer`, `evals`, `other`
+    (model, tokenizer, seed, checkpoints, initial weights ...). `summary` counts them."""
+
+    name: str
+    title: str
+    count: int
+    summary: str
 
 
 class InputDiff(BaseModel):
@@ -387,7 +445,8 @@ class InputDiff(BaseModel):
 
     identical: bool
     same_signature: bool
-    differences: list[InputDifference]
+    differences: list[InputDifference]  # by group (in `groups`' order), then field
+    groups: list[InputGroup] = []  # the groups with differences
     summary: str
 
 

@@ -240,6 +240,8 @@ def record_evals(
                     "records": r.records,
                     "target_tokens": r.target_tokens,
                     "oversized_records": r.oversized_records,
+                    "skipped_records": r.skipped_records,
+                    "skipped_examples": r.skipped_examples,
                 }
                 for r in latest.values()
             ]
@@ -253,6 +255,8 @@ def record_evals(
             "records",
             "target_tokens",
             "oversized_records",
+            "skipped_records",
+            "skipped_examples",
         )
         session.execute(
             stmt.on_conflict_do_update(

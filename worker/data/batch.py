@@ -233,11 +233,11 @@ def load_phase_data(
     stores: Stores | None = None,
 ) -> PhaseData:
     """Open (building them first where missing) the token stores of every source of `phase`.
-    A supervised record that cannot be encoded within its source's sequence_length, or that
-    has no target tokens, is refused here, before the first step, with its file, line and
-    lengths; nothing is truncated. `progress` is called as stores are opened or built.
-    Without `stores`, each file is tokenized into a private store that lives as long as its
-    memory maps (tests, one-off tools)."""
+    A line that is not a record, and a supervised record that cannot be encoded within its
+    source's sequence_length or that has no target tokens, is refused here, before the first
+    step, with its file, line and lengths; nothing is truncated or skipped. `progress` is
+    called as stores are opened or built. Without `stores`, each file is tokenized into a
+    private store that lives as long as its memory maps (tests, one-off tools)."""
     if stores is None:
         with Stores.temporary(tokenizer, progress=progress) as temporary:
             return load_phase_data(phase, tokenizer, progress, stores=temporary)
@@ -250,6 +250,7 @@ def load_phase_data(
         store = stores.get(geometry.path, fit=None if text else seq)
         if progress is not None:
             progress()
+        _refuse_invalid(store, geometry, phase)
         if len(store) == 0:
             raise DataError(f"{geometry.path}: no records (phase {phase.name!r})")
         _require_kind(store, text, geometry, phase)
@@ -280,6 +281,19 @@ def load_phase_data(
         counts=_cumulative_counts(schedule, len(sources)),
         grad_accum=phase.grad_accum,
         reports=reports,
+    )
+
+
+def _refuse_invalid(store: TokenFile, geometry: SourceGeometry, phase: Phase) -> None:
+    """Training takes every line of its files or none: the first line that is not a record
+    fails the phase, named as the reader of the file would name it (evaluation skips it)."""
+    if not store.invalid:
+        return
+    count = sum(store.invalid.values())
+    more = f"; {count - 1} more lines of it are not records either" if count > 1 else ""
+    raise DataError(
+        f"{store.invalid_lines[0].message(geometry.path)} (source {geometry.name!r} of phase "
+        f"{phase.name!r}{more})"
     )
 
 

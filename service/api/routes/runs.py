@@ -33,7 +33,7 @@ from service.checkpoints.registry import CheckpointFilter, best_checkpoints, lis
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
 from service.reads.compare import compare_runs
-from service.reads.evaluation import eval_summary
+from service.reads.evaluation import eval_by_phase, eval_summary
 from service.reads.export import evals_csv, metrics_csv
 from service.reads.ledger import token_ledger
 from service.reads.series import metric_series_json
@@ -46,6 +46,7 @@ from service.schemas import (
     MAX_RUNS_PAGE,
     CheckpointPublic,
     CheckpointsPublic,
+    EvalByPhase,
     LedgerPublic,
     RunComparison,
     RunCreate,
@@ -306,12 +307,24 @@ def read_metrics(
 def read_eval(
     run: RunDep, session: SessionDep, max_points: MaxPoints = None, format: Format = "json"
 ) -> Response:
-    """Per task: baseline (step 0), latest, best (lowest cross-entropy) and history.
-    `format=csv`: `run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,
-    oversized_records`, a row per eval set and step (every one; `max_points` is for JSON)."""
+    """Per eval set: baseline (step 0), latest, best (lowest cross-entropy), history, and the
+    first records it skipped (`skipped_examples`). `format=csv`: `run_id,name,task,step,phase,
+    cross_entropy,perplexity,records,target_tokens,oversized_records,skipped_malformed_json,
+    skipped_wrong_shape,skipped_no_target`, a row per eval set and step (every one;
+    `max_points` is for JSON)."""
     if format == "csv":
         return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
     return JSONResponse(eval_summary(session=session, run_id=run.id, max_points=max_points))
+
+
+@router.get("/{run_id}/eval/phases")
+def read_eval_by_phase(run: RunDep, session: SessionDep) -> EvalByPhase:
+    """Forgetting, phase by phase: a row per phase (in order) and in it a cell per eval set
+    (in `sets`' order): the set's evaluation at the phase's end (`complete` false while the
+    phase trains: the latest so far), at its start (the previous phase's end, or the
+    baseline) and the change of perplexity between them in percent. At most two evaluations
+    per phase and set are read."""
+    return eval_by_phase(session=session, run=run)
 
 
 @router.get("/{run_id}/checkpoints")
