@@ -123,7 +123,9 @@ def test_a_trained_runs_ledger_and_its_kept_best_checkpoint(
             assert replay["planned_tokens"] == round(4 * 1024 / 5)
             assert ledger["planned_replay_share"] == replay["planned_tokens"] / (RAMP * 512 + 4096)
 
-        # --- the CLI: the ledger's table, and a run from the best checkpoint
+        # --- the CLI: the ledger's table, and a run from the best checkpoint, which nobody
+        # trains: the worker goes first (it would train the new run, even to its end)
+        worker.stop()
         table = run_cli(["runs", "ledger", run_id], env={**env, "COLUMNS": "80"})
         assert all(len(line) <= 80 for line in table.splitlines()), table
         for word in ("phase / source", "pretrain", "summarization", "replay*", "8.19k"):
