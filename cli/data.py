@@ -20,6 +20,7 @@ from cli.job import (
     local,
     local_stores,
 )
+from cli.skipped import LEGEND, MARK, marked, reasons
 
 data_app = typer.Typer(help="Look at data files the way training will.", no_args_is_help=True)
 
@@ -155,9 +156,13 @@ def print_inspection(report: Any) -> None:
     counts.add_column("records")
     counts.add_column("count", justify="right")
     counts.add_column("share", justify="right")
+    skipped = report.skipped_records
     for label, n in (
         ("fit (trained on)", report.fit),
-        ("refused: too long", report.refused),
+        ("refused", report.refused),
+        ("  too long", report.oversized_records),
+        ("  malformed JSON", skipped.get("malformed_json", 0)),
+        ("  wrong shape", skipped.get("wrong_shape", 0)),
         ("no target tokens", report.zero_target),
         ("trimmed or dropped elastic segments", report.trimmed),
         ("duplicates", report.duplicates),
@@ -165,6 +170,18 @@ def print_inspection(report: Any) -> None:
     ):
         counts.add_row(label, f"{n:,}", f"{n / report.records:.1%}" if report.records else "-")
     console.print(counts)
+    # As an eval set of this task at this sequence_length would count them (cli/skipped.py).
+    left_out = report.oversized_records + sum(skipped.values())
+    why = reasons(report.oversized_records, skipped)
+    mark = marked(report.fit, report.oversized_records, skipped)
+    console.print(
+        f"as an eval set: {report.fit:,} records scored, {left_out:,} skipped"
+        + (f" ({why})" if why else "")
+        + (f" {MARK}\n{LEGEND}" if mark else ""),
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
+    )
     if report.segments:
         segments = Table(title="segments of segmented records, by role")
         for column in ("role", "elastic", "segments", "kept", "trimmed", "dropped", "refused"):

@@ -12,7 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.client import ApiClient
+from cli.evaluation import percent, perplexity, phase_matrix, task_cell, task_column
+from cli.skipped import notes, records_columns, skipped_cells
 from cli.stack import free_port, spawn, stop, wait_healthy
+from cli.table import FittedTable, number, text
 from cli.watch import watch
 from contracts.paths import ROOTS_VARIABLE
 from contracts.workflow import path_fields
@@ -20,24 +23,55 @@ from contracts.workflow import path_fields
 console = Console()
 
 
-def eval_table(answer: dict[str, Any]) -> Table:
+def eval_table(answer: dict[str, Any]) -> FittedTable:
     """`GET /runs/{id}/eval` as a table: one row per eval set (by name), with its task."""
-    table = Table(title="evaluation per eval set: target-only perplexity")
-    table.add_column("set", no_wrap=True)
-    table.add_column("task", no_wrap=True)
-    for column in ("baseline", "final @step", "best @step", "change"):
-        table.add_column(column, justify="right", no_wrap=True)
-    for name, summary in sorted(answer["tasks"].items()):
-        base, latest, best = summary.get("baseline"), summary["latest"], summary["best"]
-        table.add_row(
-            name,
-            summary.get("task", name),
-            f"{base['perplexity']:.2f}" if base else "-",
-            f"{latest['perplexity']:.2f} @{latest['step']}",
-            f"{best['perplexity']:.2f} @{best['step']}",
-            f"{latest['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-",
+    sets = sorted(answer["tasks"].items())
+    columns = [
+        text("set", min_width=12),
+        task_column([(name, summary.get("task", name)) for name, summary in sets]),
+        number("baseline"),
+        number("final @step"),
+        number("best @step"),
+        number("change"),
+    ]
+    rows = []
+    for name, summary in sets:
+        base, latest = summary.get("baseline"), summary["latest"]
+        change = None
+        if base and base.get("perplexity") and latest.get("perplexity") is not None:
+            change = latest["perplexity"] / base["perplexity"] - 1
+        rows.append(
+            [
+                name,
+                task_cell(name, summary.get("task", name)),
+                perplexity(base),
+                perplexity(latest, at=True),
+                perplexity(summary.get("best"), at=True),
+                percent(change),
+            ]
         )
+    return FittedTable(
+        columns, rows, title="evaluation per eval set: target-only perplexity", repeat=1
+    )
+
+
+def records_table(answer: dict[str, Any]) -> Table:
+    """Beside `eval_table`: per eval set, the records its latest evaluation scored and skipped,
+    and why (cli/skipped.py)."""
+    table = records_columns("records per eval set, latest evaluation")
+    for name, summary in sorted(answer["tasks"].items()):
+        latest = summary["latest"]
+        skipped = latest.get("skipped_records", {})  # none from a service before them
+        table.add_row(name, *skipped_cells(latest["records"], latest["oversized_records"], skipped))
     return table
+
+
+def skipped_notes(answer: dict[str, Any]) -> list[str]:
+    """Below `records_table`: what its mark means, and the first records each set skipped."""
+    sets = sorted(answer["tasks"].items())
+    return notes(
+        (name, summary["latest"], summary.get("skipped_examples", [])) for name, summary in sets
+    )
 
 
 def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[str, float, float]]:
@@ -53,6 +87,12 @@ def loss_by_phase(metrics: dict[str, Any], plan: dict[str, Any]) -> list[tuple[s
         if points:
             out.append((phase["name"], points[0], points[-1]))
     return out
+
+
+def loss_table(phase_losses: list[tuple[str, float, float]]) -> FittedTable:
+    rows = [[name, f"{first:.3f}", f"{last:.3f}"] for name, first, last in phase_losses]
+    columns = [text("phase", min_width=12), number("first"), number("last")]
+    return FittedTable(columns, rows, title="training loss per phase")
 
 
 def data_folder(*workflows: dict[str, Any]) -> str:
@@ -186,19 +226,19 @@ def run_demo(
             if run["status"] != "succeeded":
                 return DemoResult(ok=False, run=run, start=first)
             evals = api.get(f"/runs/{run['id']}/eval")
+            by_phase = api.get(f"/runs/{run['id']}/eval/phases")
             metrics = api.get(f"/runs/{run['id']}/metrics", params={"names": "loss"})
     finally:
         stop(stack)
 
     console.print(f"run succeeded in {elapsed:.0f} s")
-    losses = Table(title="training loss per phase")
-    for column in ("phase", "first", "last"):
-        losses.add_column(column)
     phase_losses = loss_by_phase(metrics, run["plan"])
-    for name, first_loss, last_loss in phase_losses:
-        losses.add_row(name, f"{first_loss:.3f}", f"{last_loss:.3f}")
-    console.print(losses)
+    console.print(loss_table(phase_losses))
     console.print(eval_table(evals))
+    console.print(phase_matrix(by_phase))
+    console.print(records_table(evals))
+    for line in skipped_notes(evals):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
     problems = [
         f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a

@@ -29,6 +29,7 @@ from cli.job import (
     local,
     local_store_root,
 )
+from cli.skipped import notes, reasons, skipped_cells
 
 
 def eval_checkpoint(
@@ -112,17 +113,28 @@ def eval_checkpoint(
             step = results[0].step  # one checkpoint: every result has its step
             console.print(f"{checkpoint} (step {step}):", soft_wrap=True, markup=False)
             console.print(eval_sets_table(results))
+            _print_notes(results, why=True)
         return
     (result,) = results
     if as_json:
         print(result.model_dump_json(indent=2))
         return
+    skipped = reasons(result.oversized_records, result.skipped_records) or "none"
     console.print(
         f"{result.task}: cross-entropy {result.cross_entropy:.4f}, perplexity "
         f"{result.perplexity:.2f} over {result.target_tokens:,} target tokens of "
-        f"{result.records:,} records ({result.oversized_records:,} too long, skipped); "
-        f"checkpoint step {result.step}"
+        f"{result.records:,} records (skipped: {skipped}); checkpoint step {result.step}",
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
     )
+    _print_notes([result], why=False)
+
+
+def _print_notes(results: list[Any], *, why: bool) -> None:
+    sets = [(r.name, r.model_dump(), r.skipped_examples) for r in results]
+    for line in notes(sets, why=why):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def _workflow_requests(
@@ -155,20 +167,17 @@ def _workflow_requests(
 
 
 def eval_sets_table(results: list[Any]) -> Table:
-    """A checkpoint's loss on each eval set: the baseline table of a workflow."""
+    """A checkpoint's loss on each eval set: the baseline table of a workflow, with the records
+    each set scored and skipped (why, below it: cli/skipped.py)."""
     table = Table(box=None, pad_edge=False)
     # The set's name whole (`runs eval` answers by it); the task is cut short when narrow.
     table.add_column("set", no_wrap=True)
     table.add_column("task")
-    for column in ("records", "oversized", "cross-entropy", "perplexity"):
+    for column in ("scored", "skipped", "cross-entropy", "perplexity"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in results:
+        scored, skipped, _ = skipped_cells(r.records, r.oversized_records, r.skipped_records)
         table.add_row(
-            r.name,
-            r.task,
-            f"{r.records:,}",
-            f"{r.oversized_records:,}",
-            f"{r.cross_entropy:.4f}",
-            f"{r.perplexity:.2f}",
+            r.name, r.task, scored, skipped, f"{r.cross_entropy:.4f}", f"{r.perplexity:.2f}"
         )
     return table

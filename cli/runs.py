@@ -4,12 +4,12 @@ evaluate runs, through the API."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from cli.common import (
     EXIT_API,
@@ -23,6 +23,7 @@ from cli.common import (
     fail,
     load_workflow,
 )
+from cli.table import SHORTEN, Column, FittedTable, number, text
 
 runs_app = typer.Typer(help="Create, list and inspect runs.", no_args_is_help=True)
 
@@ -57,6 +58,18 @@ def runs_create(
     initial_checkpoint: Annotated[
         Path | None, typer.Option(help="Safetensors file or model directory to start from.")
     ] = None,
+    from_run: Annotated[
+        str | None,
+        typer.Option(
+            help="Start from another run's checkpoint: the one at --step, or its best "
+            "checkpoint of the eval set --best."
+        ),
+    ] = None,
+    step: Annotated[int | None, typer.Option(min=0, help="With --from-run: its step.")] = None,
+    best: Annotated[
+        str | None,
+        typer.Option(help="With --from-run: the eval set whose best checkpoint to start from."),
+    ] = None,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Retry-safe key: the same key returns the same run.")
     ] = None,
@@ -68,6 +81,17 @@ def runs_create(
         body["name"] = name
     if initial_checkpoint:
         body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+    if from_run is not None or step is not None or best is not None:
+        if from_run is None or initial_checkpoint or (step is None) == (best is None):
+            raise fail(
+                "give --from-run RUN with one of --step N or --best SET (and no "
+                "--initial-checkpoint)",
+                EXIT_BAD_INPUT,
+            )
+        body["initial_checkpoint"] = {
+            "run": from_run,
+            **({"step": step} if best is None else {"best": best}),
+        }
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     run = call("POST", "/runs", json=body, headers=headers)
     if as_json:
@@ -188,11 +212,32 @@ def runs_list(
     if as_json:
         print(json.dumps(answer, indent=2))
         return
-    table = Table()
-    for column in ("id", "name", "status", "phase", "step", "restarts", "tags", "created"):
-        table.add_column(column)
-    for run in answer["runs"]:
-        table.add_row(
+    console.print(runs_table(answer["runs"]))
+    if answer["next_cursor"]:
+        console.print(f"the {len(answer['runs'])} newest of {answer['count']}; --limit 0 lists all")
+
+
+def local_time(iso: str) -> str:
+    """An API timestamp in this machine's time zone, to the minute."""
+    return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
+
+
+def runs_table(runs: list[dict[str, Any]]) -> FittedTable:
+    """A row per run. Narrower than it needs (80 columns), the names, statuses, phases and
+    tags are shortened, then the created time, the tags, restarts and phase dropped, before
+    an id or a number is cut."""
+    columns = [
+        Column("id", whole=True),
+        text("name", min_width=10),
+        text("status", min_width=9),
+        text("phase", min_width=8, drop=SHORTEN + 3),
+        number("step"),
+        number("restarts", drop=SHORTEN + 2),
+        text("tags", min_width=8, drop=SHORTEN + 1),
+        Column("created", whole=True, drop=SHORTEN),
+    ]
+    rows = [
+        [
             run["id"],
             run.get("name") or "",
             run["status"] + (" (no worker)" if run.get("waiting_for_worker") else ""),
@@ -200,11 +245,11 @@ def runs_list(
             f"{run['step']}/{run['total_steps']}",
             str(run.get("restarts", 0) + run.get("preemptions", 0)),
             ", ".join(run.get("tags") or []),
-            run["created_at"],
-        )
-    console.print(table)
-    if answer["next_cursor"]:
-        console.print(f"the {len(answer['runs'])} newest of {answer['count']}; --limit 0 lists all")
+            local_time(run["created_at"]),
+        ]
+        for run in runs
+    ]
+    return FittedTable(columns, rows)
 
 
 @runs_app.command("update")
@@ -249,12 +294,19 @@ def runs_compare(
         list[str],
         typer.Argument(help="Two or more run ids; the first is the reference."),
     ],
+    show_all: Annotated[
+        bool,
+        typer.Option(
+            "--all", help="Show every differing input; by default a long group shows its first."
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Compare runs: per eval set each run's baseline, final and best perplexity and its
-    change against the first run, and every signed input that differs (workflow fields,
-    tokenizer, data files, initial checkpoint) with each run's value."""
-    from cli.compare import comparison_view
+    change against the first run, then the runs, then every signed input that differs, by
+    group (data files added, removed or changed; per-phase fields; optimizer; evals; other)
+    with each run's value."""
+    from cli.compare import FOLD_AFTER, comparison_view
 
     if len(run_ids) < 2:
         raise fail("give two or more run ids to compare", EXIT_BAD_INPUT)
@@ -262,7 +314,7 @@ def runs_compare(
     if as_json:
         print(json.dumps(answer, indent=2))
         return
-    console.print(comparison_view(answer), soft_wrap=True)
+    console.print(comparison_view(answer, fold_after=None if show_all else FOLD_AFTER))
 
 
 @runs_app.command("export")
@@ -278,7 +330,8 @@ def runs_export(
 ) -> None:
     """Write the run's metrics and evaluations as CSV: DIR/metrics.csv
     (run_id,name,step,value) and DIR/evals.csv (run_id,name,task,step,phase,cross_entropy,
-    perplexity,records,target_tokens,oversized_records); docs/operations.md has the columns."""
+    perplexity,records,target_tokens,oversized_records,skipped_<reason>...); docs/operations.md
+    has the columns."""
     from cli.client import ApiError
     from cli.common import client
     from cli.compare import count_rows, export_paths
@@ -325,6 +378,13 @@ def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
         console.print(f"note: {run['note']}", markup=False)
     ckpt = run.get("latest_checkpoint")
     console.print(f"latest checkpoint: {ckpt['path'] if ckpt else '-'}")
+    if source := run.get("initial_checkpoint_from"):
+        of = f" (best of eval set {source['best']!r})" if source.get("best") else ""
+        console.print(
+            f"initial checkpoint: run {source['run']} step {source['step']}{of}", markup=False
+        )
+    elif run.get("initial_checkpoint"):
+        console.print(f"initial checkpoint: {run['initial_checkpoint']}", markup=False)
     for a in run.get("attempts", []):
         resent = f", message sent again {n}x" if (n := a.get("redispatches")) else ""
         console.print(
@@ -373,11 +433,29 @@ def runs_eval(
         int | None,
         typer.Option(min=1, help="Keep at most this many history points per eval set."),
     ] = None,
+    by_phase: Annotated[
+        bool,
+        typer.Option(
+            "--by-phase",
+            help="Each eval set at each phase's end and its change over the phase "
+            "(forgetting: a rise on a pretraining set after a supervised phase).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity
-    (history with --json)."""
-    from cli.demo import eval_table
+    """Evaluation per eval set (by name, with its task): baseline, latest and best perplexity,
+    and the records scored and skipped, why and which (history with --json); --by-phase: a row
+    per phase, a column per set."""
+    if by_phase:
+        from cli.evaluation import phase_matrix
+
+        matrix = call("GET", f"/runs/{run_id}/eval/phases")
+        if as_json:
+            print(json.dumps(matrix, indent=2))
+        else:
+            console.print(phase_matrix(matrix))
+        return
+    from cli.demo import eval_table, records_table, skipped_notes
 
     params = {"max_points": max_points} if max_points else {}
     answer = call("GET", f"/runs/{run_id}/eval", params=params)
@@ -385,3 +463,20 @@ def runs_eval(
         print(json.dumps(answer, indent=2))
     else:
         console.print(eval_table(answer))
+        console.print(records_table(answer))
+        for line in skipped_notes(answer):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+@runs_app.command("ledger")
+def runs_ledger(run_id: RunId, as_json: JsonOpt = False) -> None:
+    """The token ledger: per phase and data source, the tokens planned against those trained
+    so far, their target tokens and the epochs of each source; and the replay share trained
+    against the plan's."""
+    from cli.ledger import ledger_table
+
+    answer = call("GET", f"/runs/{run_id}/ledger")
+    if as_json:
+        print(json.dumps(answer, indent=2))
+    else:
+        console.print(ledger_table(answer))

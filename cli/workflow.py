@@ -32,7 +32,7 @@ def workflow_validate(
     console.print(plan_table(path.name, result))
 
 
-def _tokens(count: int) -> str:
+def token_count(count: int) -> str:
     """842137600 -> '842M', 36044800 -> '36.0M', 5120 -> '5.12k': three significant digits."""
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if count >= size:
@@ -70,7 +70,7 @@ def plan_table(title: str, plan: Any) -> Table:
             f"[bold]{p.name}[/bold]{geometry}{' (replay)' if p.role == 'replay' else ''}",
             p.objective,
             f"{p.first_step}-{p.last_step}",
-            _tokens(p.compute_tokens),
+            token_count(p.compute_tokens),
             f"{p.token_share:.1%}",
             f"{p.replay_token_share:.1%}" if p.replay_token_share else "",
         )
@@ -79,7 +79,7 @@ def plan_table(title: str, plan: Any) -> Table:
                 f"  {s.name} {s.sequence_length}x{s.microbatch_size}",
                 s.objective,
                 "",
-                _tokens(s.compute_tokens),
+                token_count(s.compute_tokens),
                 f"{s.token_share:.1%}",
                 "",
             )

@@ -26,6 +26,13 @@ MAX_PATH = 1024
 MAX_ID = 32
 # String(64): SHA-256 hex digests (workflow ids, signatures).
 SHA256_HEX = 64
+# An eval result's examples of the records it skipped (`file:line: reason`): at most this
+# many, each at most this long (a path and a sentence; the worker cuts a longer one), and at
+# most this many reasons, each a short key (contracts.reports.SKIP_REASONS).
+MAX_SKIPPED_EXAMPLES = 5
+MAX_SKIPPED_EXAMPLE = 2000
+MAX_SKIP_REASONS = 16
+MAX_SKIP_REASON = 64
 # A run's budgets (max_restarts, max_preemptions): far below MAX_COUNT, as attempt numbers count
 # every restart and preemption.
 MAX_BUDGET = 10_000

@@ -101,8 +101,10 @@ class InspectionReport(BaseModel):
     sequence_length: int
     # Records by format: text, pair, chat, segmented.
     formats: dict[str, int]
+    # Every non-blank line: records, and lines that are not records.
     records: int
-    # Records training would take (trimmed or not), and those it would refuse.
+    # Records training would take (trimmed or not), and those it would refuse: too long, of
+    # the wrong kind for the objective, or lines that are not records.
     fit: int
     refused: int
     # Records whose elastic segments were trimmed or dropped to fit.
@@ -124,6 +126,11 @@ class InspectionReport(BaseModel):
     # `--write-fit`: where the records that fit were written, and how many.
     fit_path: str | None = None
     fit_written: int | None = None
+    # As an eval set of the objective's task at sequence_length would count them: it scores
+    # the `fit` records and skips the others, too long apart (contracts.reports.EvalResult's
+    # fields of the same names). Optional: a worker from before them reports neither.
+    oversized_records: int = 0
+    skipped_records: dict[str, int] = {}
 
     def gate_failures(self, gate: InspectionGate) -> list[str]:
         """Why this report does not meet `gate`, one sentence each; empty when it does."""

@@ -7,7 +7,7 @@ one (409 `superseded`), and any report from another worker token than the claima
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -17,6 +17,10 @@ from contracts.bounds import (
     MAX_HOSTNAME,
     MAX_NAME,
     MAX_PATH,
+    MAX_SKIP_REASON,
+    MAX_SKIP_REASONS,
+    MAX_SKIPPED_EXAMPLE,
+    MAX_SKIPPED_EXAMPLES,
     MAX_TASK,
     NO_NUL,
     NUL_REPLACED,
@@ -159,9 +163,36 @@ def _json_string_bytes(text: str) -> int:
     return len(text.encode()) + 5 * escaped + 2
 
 
+# Why an eval set skips a record it cannot score, as `EvalResult.skipped_records` keys it, and
+# how people read each: a line that is not JSON; JSON that is not a record the set's task reads
+# (not an object, a missing or non-string field, an unknown shape, text in a supervised set or
+# a supervised record in a text set); a record without target tokens. A record too long for
+# the set's sequence_length is skipped too, counted apart in `oversized_records` (as before).
+SKIP_REASONS: dict[str, str] = {
+    "malformed_json": "malformed JSON",
+    "wrong_shape": "wrong shape",
+    "no_target": "no target tokens",
+}
+# A set that skipped more than this share of its records (too long ones included) is marked
+# where its results are shown (`trainctl runs eval`, `trainctl eval`, the dashboard): its
+# number speaks for noticeably fewer records than its file holds.
+SKIPPED_MARK_SHARE = 0.02
+
+SkipReason = Annotated[str, Field(min_length=1, max_length=MAX_SKIP_REASON), NO_NUL]
+SkippedExample = Annotated[str, Field(max_length=MAX_SKIPPED_EXAMPLE), NUL_REPLACED]
+
+
+def skipped_share(records: int, oversized: int, skipped: Mapping[str, int]) -> float:
+    """The share of a set's records that it skipped (too long or unscorable): 0 for none."""
+    left_out = oversized + sum(skipped.values())
+    return left_out / (records + left_out) if left_out else 0.0
+
+
 class EvalResult(BaseModel):
     """One eval set's evaluation at one step: token-weighted, target-only cross-entropy. Stored
-    and answered by the set's `name` (contracts.workflow.EvalSpec; default: its task)."""
+    and answered by the set's `name` (contracts.workflow.EvalSpec; default: its task).
+    `records` are those scored; the others are counted in `oversized_records` and, by reason,
+    in `skipped_records`, the first of them named in `skipped_examples`."""
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL]
     task: Annotated[str, Field(max_length=MAX_TASK), NO_NUL]
@@ -172,6 +203,9 @@ class EvalResult(BaseModel):
     records: Count
     target_tokens: Count
     oversized_records: Count = 0
+    # Optional, as a worker from before them reports neither.
+    skipped_records: dict[SkipReason, Count] = Field(default={}, max_length=MAX_SKIP_REASONS)
+    skipped_examples: list[SkippedExample] = Field(default=[], max_length=MAX_SKIPPED_EXAMPLES)
 
     @model_validator(mode="before")
     @classmethod
@@ -237,7 +271,8 @@ class CheckpointRemoval(BaseModel):
 class CheckpointRegistered(BaseModel):
     """The answer to a checkpoint registration: the steps of this run's checkpoints that
     another run still needs as its initial checkpoint (it has not succeeded and has no
-    checkpoint of its own), at the moment of the answer. Retention keeps them (pinned)."""
+    checkpoint of its own), and the best checkpoint of each eval set the workflow's
+    `checkpoint.keep_best` names, at the moment of the answer. Retention keeps them (pinned)."""
 
     accepted: int
     pinned_steps: list[int] = []

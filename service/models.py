@@ -329,6 +329,10 @@ class EvalResult(Base):
     records: Mapped[int]
     target_tokens: Mapped[int]
     oversized_records: Mapped[int] = mapped_column(default=0)
+    # The records the set skipped as unscorable, by reason (contracts.reports.SKIP_REASONS),
+    # and the first few as "file:line: reason" (migration 0017).
+    skipped_records: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
+    skipped_examples: Mapped[list[str]] = mapped_column(JSON, default=list, server_default="[]")
 
 
 class Job(Base):

@@ -5,7 +5,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
@@ -55,12 +64,30 @@ class WorkflowPublic(BaseModel):
 
 
 class CheckpointOf(BaseModel):
-    """Another run's registered checkpoint at `step`, as an initial checkpoint."""
+    """Another run's registered checkpoint as an initial checkpoint: the one at `step`, or the
+    best checkpoint of its eval set `best` (service.checkpoints.registry: of its steps with a
+    usable checkpoint, the one whose evaluation of the set has the lowest cross-entropy),
+    resolved to its step when the run is created."""
 
     model_config = ConfigDict(extra="forbid")
 
     run: str = Field(min_length=1, max_length=MAX_ID)
-    step: int = Field(ge=0, le=MAX_COUNT)
+    step: int | None = Field(None, ge=0, le=MAX_COUNT)
+    best: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL] | None = Field(
+        None, validate_default=True
+    )
+
+    # A field's check, not the model's: errors keep their path (`initial_checkpoint
+    # .CheckpointOf.best`), where a model validator would rename the model in every one.
+    @field_validator("best")
+    @classmethod
+    def _step_or_best(cls, best: str | None, info: ValidationInfo) -> str | None:
+        if "step" in info.data and (info.data["step"] is None) == (best is None):
+            raise ValueError(
+                'give exactly one of "step" (a step with a checkpoint) or "best" (an eval '
+                "set, whose best checkpoint is taken)"
+            )
+        return best
 
 
 # A local safetensors file or model directory the service can read (relative paths resolve
@@ -131,9 +158,27 @@ class CheckpointPublic(CheckpointSummary):
     removed_at: datetime | None
 
 
+class BestCheckpoint(BaseModel):
+    """An eval set's best checkpoint: of the run's steps with a usable checkpoint, the one
+    whose evaluation of the set has the lowest cross-entropy (the earliest on ties); what
+    `checkpoint.keep_best` keeps and `{"run", "best"}` names. `step` None: no step of the set
+    has both. `best_eval_step`: the set's best evaluation of all, which may lie at a step
+    without a checkpoint (`note` then says so)."""
+
+    name: str
+    kept: bool  # named by the workflow's checkpoint.keep_best: retention keeps it
+    step: int | None
+    cross_entropy: float | None
+    best_eval_step: int
+    best_eval_cross_entropy: float
+    note: str | None = None
+
+
 class CheckpointsPublic(BaseModel):
     checkpoints: list[CheckpointPublic]
     count: int
+    # Per eval set with a scored evaluation, by name.
+    best: list[BestCheckpoint] = []
 
 
 class AttemptPublic(BaseModel):
@@ -163,6 +208,15 @@ class AttemptPublic(BaseModel):
         return self.claimed_at
 
 
+class InitialCheckpointFrom(BaseModel):
+    """Another run's checkpoint a run started from: that run and step, and when it was named
+    as `{"run", "best"}`, the eval set whose best checkpoint it was when the run was created."""
+
+    run: str
+    step: int
+    best: str | None = None
+
+
 class RunPublic(BaseModel):
     id: str
     name: str
@@ -180,6 +234,8 @@ class RunPublic(BaseModel):
     signature: str
     plan: Plan
     initial_checkpoint: str | None
+    # Where the initial checkpoint came from when it is another run's (None otherwise).
+    initial_checkpoint_from: InitialCheckpointFrom | None = None
     latest_checkpoint: CheckpointSummary | None
     attempts: list[AttemptPublic]
     # Budget use, counted from the attempts: restarts after `infrastructure` errors, and
@@ -291,6 +347,49 @@ class EvalAt(BaseModel):
     perplexity: float | None
 
 
+class PhaseEval(BaseModel):
+    """One eval set over one phase. `start`: its latest evaluation at or before the phase's
+    first update (the previous phase's end, or the baseline for the first phase); `end`: its
+    evaluation at the phase's last step, which workers always run, or while the phase trains
+    (or when that one is missing) the latest inside the phase, `complete` false; null before
+    the phase's first evaluation. `change`: the end's perplexity against the start's, in
+    percent (negative: better; positive after a supervised phase on a pretraining set:
+    forgetting)."""
+
+    start: EvalAt | None
+    end: EvalAt | None
+    complete: bool
+    change: float | None
+
+
+class PhaseEvals(BaseModel):
+    """A phase of the run (its steps first_step..last_step) and each eval set over it, in the
+    order of `EvalByPhase.sets`."""
+
+    index: int
+    name: str
+    objective: str
+    role: str
+    first_step: int
+    last_step: int
+    sets: list[PhaseEval]
+
+
+class EvalSetRef(BaseModel):
+    name: str
+    task: str
+    baseline: EvalAt | None  # step 0, before the first update
+
+
+class EvalByPhase(BaseModel):
+    """`GET /runs/{id}/eval/phases`: the phases x eval sets matrix (forgetting phase by
+    phase): each set's value at each phase's end and its change over the phase."""
+
+    run_id: str
+    sets: list[EvalSetRef]
+    phases: list[PhaseEvals]
+
+
 class ComparedEval(BaseModel):
     """One run's results on one eval set: `baseline` (step 0), `final` (the highest step: the
     latest while the run trains), `best` (lowest cross-entropy, the earliest on ties), and the
@@ -318,10 +417,25 @@ class ComparedEvalSet(BaseModel):
 class InputDifference(BaseModel):
     """One signed input that differs between the runs, named as a refused resume names it
     (contracts.signature.diff_components: `optimizer.adamw_lr`, `data["/d/a.jsonl"].sha256`),
-    with each run's value in the runs' order (None: the run has no such input)."""
+    with each run's value in the runs' order (None: the run has no such input), its `group`
+    (InputGroup.name) and each run's change against the first: `added` (the first has no
+    such input), `removed` (this run has none), `changed`, or None (the same; the first)."""
 
     field: str
     values: list[Any]
+    group: str = "other"
+    changes: list[str | None] = []
+
+
+class InputGroup(BaseModel):
+    """The differences of one kind, in the order a comparison shows them: `data` (data files
+    added, removed or changed), `phases` (per-phase fields), `optimizer`, `evals`, `other`
+    (model, tokenizer, seed, checkpoints, initial weights ...). `summary` counts them."""
+
+    name: str
+    title: str
+    count: int
+    summary: str
 
 
 class InputDiff(BaseModel):
@@ -331,7 +445,8 @@ class InputDiff(BaseModel):
 
     identical: bool
     same_signature: bool
-    differences: list[InputDifference]
+    differences: list[InputDifference]  # by group (in `groups`' order), then field
+    groups: list[InputGroup] = []  # the groups with differences
     summary: str
 
 
@@ -339,3 +454,55 @@ class RunComparison(BaseModel):
     runs: list[ComparedRun]
     evals: list[ComparedEvalSet]
     inputs: InputDiff
+
+
+class LedgerSource(BaseModel):
+    """One data source of a phase in the token ledger: planned against trained. Trained counts
+    are the phase's so far (null when its worker did not count them: a phase trained before
+    the ledger, or resumed from a checkpoint written before it)."""
+
+    name: str
+    objective: str
+    # Its tokens count as replay: continued_pretrain text in a post-training phase.
+    replay: bool
+    planned_tokens: int
+    planned_share: float  # of the phase's planned tokens
+    # Envelope tokens (what the plan counts), their share of the phase's trained so far, the
+    # target tokens the loss was taken over, and how many times the source was gone through.
+    trained_tokens: int | None
+    trained_share: float | None
+    target_tokens: int | None
+    epochs: float | None
+
+
+class LedgerPhase(BaseModel):
+    index: int
+    name: str
+    objective: str
+    role: str
+    first_step: int
+    last_step: int
+    planned_tokens: int
+    trained_tokens: int | None
+    planned_replay_share: float
+    replay_share: float | None  # of the phase's tokens trained so far
+    sources: list[LedgerSource]
+
+
+class LedgerPublic(BaseModel):
+    """`GET /runs/{id}/ledger`: per phase and source, tokens planned and trained, and the
+    run's realised replay share against its plan's (contracts.workflow.Plan defines both
+    shares: replay of all tokens, and of post-training tokens). Realised shares are of the
+    tokens trained so far; null while any phase begun has no counts."""
+
+    run_id: str
+    step: int
+    planned_tokens: int
+    trained_tokens: int | None
+    planned_replay_tokens: int
+    replay_tokens: int | None
+    planned_replay_share: float
+    replay_share: float | None
+    planned_post_training_replay_share: float
+    post_training_replay_share: float | None
+    phases: list[LedgerPhase]

@@ -45,11 +45,14 @@ class PhasePlan(BaseModel):
         """Supervised phases and replay phases; not a pretraining stage."""
         return self.objective != "continued_pretrain" or self.role == "replay"
 
+    def replays(self, source: SourcePlan) -> bool:
+        """Whether `source`'s tokens count as replay: continued_pretrain text in a
+        post-training phase (a replay phase's, or a supervised phase's mixture replay)."""
+        return self.post_training and source.objective == "continued_pretrain"
+
     @property
     def replay_tokens(self) -> int:
-        if not self.post_training:
-            return 0
-        return sum(s.compute_tokens for s in self.sources if s.objective == "continued_pretrain")
+        return sum(s.compute_tokens for s in self.sources if self.replays(s))
 
 
 class Plan(BaseModel):

@@ -80,6 +80,11 @@ class CheckpointSpec(_Strict):
     every_steps: PositiveInt = 100
     # At least two, so a corrupt newest checkpoint always has a predecessor to fall back to.
     keep_last: int = Field(2, ge=2, le=MAX_COUNT)
+    # Eval sets (by name) whose best checkpoint retention keeps beside the last `keep_last`:
+    # of the steps with a checkpoint, the one whose evaluation of the set has the lowest
+    # cross-entropy. Left out of the normalised form (and so of the signature) when empty:
+    # workflows written before it keep their signature.
+    keep_best: list[Name] = Field([], exclude_if=lambda value: not value)
 
 
 class EvalSpec(_Strict):

@@ -275,6 +275,32 @@ def _check_semantics(doc: dict[str, Any]) -> list[Problem]:
                     message=f"{e_seq} exceeds the model's max_position_embeddings {max_positions}",
                 )
             )
+    problems += _keep_best_problems(doc.get("checkpoint"), list(set_names))
+    return problems
+
+
+def _keep_best_problems(checkpoint: Any, sets: list[str]) -> list[Problem]:
+    """`checkpoint.keep_best` names eval sets of the workflow, each once."""
+    names = checkpoint.get("keep_best") if isinstance(checkpoint, dict) else None
+    problems = []
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names if isinstance(names, list) else []):
+        where = f"checkpoint.keep_best[{i}]"
+        if (first := _earlier(seen, name, i)) is not None:
+            problems.append(
+                Problem(path=where, message=f"{name!r} is named twice (also keep_best[{first}])")
+            )
+        elif isinstance(name, str) and name not in sets:
+            known = ", ".join(repr(s) for s in sets) or "none"
+            problems.append(
+                Problem(
+                    path=where,
+                    message=(
+                        f"{name!r} is not an eval set of this workflow (its sets, by name: "
+                        f"{known}); keep_best keeps the checkpoint where a set scored best"
+                    ),
+                )
+            )
     return problems
 
 

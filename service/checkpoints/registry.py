@@ -15,18 +15,27 @@ otherwise from the initial checkpoint, which the worker then hashes again). The 
 registration carries the run's pinned steps and worker retention keeps them; a report that a
 pinned checkpoint was deleted is refused (409 `checkpoint_pinned`, service.workers.report
 .remove_checkpoint), so the registry never says "deleted" of what a run still needs.
+
+Best checkpoints: a workflow's `checkpoint.keep_best` names eval sets whose best checkpoint is
+kept while the run exists: of the steps with a usable checkpoint, the one whose evaluation of
+the set has the lowest cross-entropy (the earliest on ties; `best_steps`). Those steps are
+pinned too (`kept_best`): listed in every registration's answer, and a report of their deletion
+refused alike. Evaluations at steps without a checkpoint are never a best checkpoint; the
+checkpoints' answer says when a set's best evaluation is such a step.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Final, Literal
 
-from sqlalchemy import select, union
+from sqlalchemy import func, select, union
 from sqlalchemy.orm import Session, aliased
 
 from service.lifecycle import RunStatus
-from service.models import Checkpoint, Run, Workflow
+from service.models import Checkpoint, EvalResult, Run, Workflow
+from service.schemas import BestCheckpoint
 
 USABLE: Final = "usable"
 # The directory a checkpoint of step N lies in, in its run's folder (service.workers.report
@@ -84,6 +93,93 @@ def pins(*, session: Session, run_id: str) -> dict[int, list[str]]:
     return dict(pinned)
 
 
+def best_steps(
+    *, session: Session, run_id: str, sets: Sequence[str] | None = None, checkpointed: bool
+) -> dict[str, tuple[int, float]]:
+    """Per eval set of the run (those of `sets` only, when given) with a scored evaluation:
+    (step, cross-entropy) of its lowest cross-entropy, the earliest step on ties; with
+    `checkpointed`, among the steps that have a usable checkpoint only (its best checkpoint).
+    Reads the run's evaluations of those sets, which are few."""
+    rank = func.row_number().over(
+        partition_by=EvalResult.name, order_by=(EvalResult.cross_entropy, EvalResult.step)
+    )
+    query = select(
+        EvalResult.name, EvalResult.step, EvalResult.cross_entropy, rank.label("rank")
+    ).where(EvalResult.run_id == run_id, EvalResult.cross_entropy.is_not(None))
+    if sets is not None:
+        query = query.where(EvalResult.name.in_(sets))
+    if checkpointed:
+        query = query.join(
+            Checkpoint,
+            (Checkpoint.run_id == EvalResult.run_id)
+            & (Checkpoint.step == EvalResult.step)
+            & (Checkpoint.status == USABLE),
+        )
+    ranked = query.subquery()
+    rows = session.execute(
+        select(ranked.c.name, ranked.c.step, ranked.c.cross_entropy).where(ranked.c.rank == 1)
+    )
+    return {name: (step, cross_entropy) for name, step, cross_entropy in rows}
+
+
+def keep_best_sets(*, session: Session, run_id: str) -> list[str]:
+    """The eval sets the run's workflow keeps the best checkpoint of (`checkpoint.keep_best`)."""
+    spec = session.scalar(
+        select(Workflow.spec).join(Run, Run.workflow_id == Workflow.id).where(Run.id == run_id)
+    )
+    checkpoint = (spec or {}).get("checkpoint") or {}
+    return list(checkpoint.get("keep_best") or [])
+
+
+def kept_best(*, session: Session, run_id: str) -> dict[int, list[str]]:
+    """Step -> the eval sets of `checkpoint.keep_best` whose best checkpoint it is."""
+    sets = keep_best_sets(session=session, run_id=run_id)
+    if not sets:
+        return {}
+    kept: dict[int, list[str]] = defaultdict(list)
+    found = best_steps(session=session, run_id=run_id, sets=sets, checkpointed=True)
+    for name, (step, _) in sorted(found.items()):
+        kept[step].append(name)
+    return dict(kept)
+
+
 def pinned_steps(*, session: Session, run_id: str) -> list[int]:
-    """The steps of the run's checkpoints that retention must keep, ascending."""
-    return sorted(pins(session=session, run_id=run_id))
+    """The steps of the run's checkpoints that retention must keep, ascending: those other
+    runs may still start from, and the best of the sets the run keeps the best of."""
+    return sorted(
+        {*pins(session=session, run_id=run_id), *kept_best(session=session, run_id=run_id)}
+    )
+
+
+def best_checkpoints(*, session: Session, run_id: str) -> list[BestCheckpoint]:
+    """Per eval set of the run with a scored evaluation, by name: its best checkpoint, beside
+    its best evaluation, and a note when that evaluation's step has no usable checkpoint."""
+    best = best_steps(session=session, run_id=run_id, checkpointed=False)
+    checkpointed = best_steps(session=session, run_id=run_id, checkpointed=True)
+    kept = set(keep_best_sets(session=session, run_id=run_id))
+    out = []
+    for name, (step, cross_entropy) in sorted(best.items()):
+        chosen = checkpointed.get(name)
+        note = None
+        if chosen is None or chosen[0] != step:
+            instead = (
+                f"the best checkpoint is step {chosen[0]}'s (cross-entropy {chosen[1]:.4f})"
+                if chosen is not None
+                else "no step of it has a usable checkpoint"
+            )
+            note = (
+                f"its best evaluation, step {step} (cross-entropy {cross_entropy:.4f}), has "
+                f"no usable checkpoint; {instead}"
+            )
+        out.append(
+            BestCheckpoint(
+                name=name,
+                kept=name in kept,
+                step=None if chosen is None else chosen[0],
+                cross_entropy=None if chosen is None else chosen[1],
+                best_eval_step=step,
+                best_eval_cross_entropy=cross_entropy,
+                note=note,
+            )
+        )
+    return out

@@ -4,6 +4,8 @@ A run's initial checkpoint, its pretrained model and an evaluation may name anot
 checkpoint, as `{"run", "step"}` or by a path into that run's folder of the artifact store.
 Either way it is that run's registered, usable checkpoint at that step, and only of a run the
 caller may see: the path is mapped to the reference first, and both take one road from there.
+An initial checkpoint may also be `{"run", "best": SET}`: that run's best checkpoint of the
+eval set, resolved to its step on the same road.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contracts.paths import DataRoots, PathUse
 from service.checkpoints.registry import (
     CHECKPOINTS_DIR,
     USABLE,
+    best_steps,
     list_checkpoints,
     usable_checkpoint,
 )
 from service.errors import ApiError
-from service.models import Checkpoint, Run
+from service.models import Checkpoint, EvalResult, Run
 from service.schemas import CheckpointOf
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
@@ -84,25 +88,27 @@ def source_checkpoint(
     code: str,
     path: str | None = None,
 ) -> Checkpoint:
-    """Run `given.run`'s usable checkpoint at `given.step`, its row locked until the caller
-    commits (a run created from it then pins it before a concurrent deletion report is judged).
-    404 as source_run; 422 `code` naming the run and the steps it has when it has none usable
-    at that step (and why, when it was deleted or quarantined)."""
+    """Run `given.run`'s usable checkpoint at `given.step` (or, for `given.best`, at the step
+    of that eval set's best checkpoint: best_step), its row locked until the caller commits (a
+    run created from it then pins it before a concurrent deletion report is judged). 404 as
+    source_run; 422 `code` naming the run and the steps it has when it has none usable at that
+    step (and why, when it was deleted or quarantined)."""
     source_run(session=session, run_id=given.run, owner_id=owner_id, field=field, path=path)
-    chosen = usable_checkpoint(session=session, run_id=given.run, step=given.step, lock=True)
+    step = given.step
+    if step is None:
+        assert given.best is not None  # CheckpointOf: one of the two
+        step = best_step(session=session, run_id=given.run, name=given.best, field=field, code=code)
+    chosen = usable_checkpoint(session=session, run_id=given.run, step=step, lock=True)
     if chosen is not None:
         return chosen
     every = list_checkpoints(session=session, run_id=given.run, status="all")
     steps = [c.step for c in every if c.status == USABLE]
     available = ", ".join(str(s) for s in steps) or "none yet"
-    facts: dict[str, Any] = {"run": given.run, "step": given.step, "available_steps": steps}
-    removed = next((c for c in every if c.step == given.step), None)
-    what = f"has no registered checkpoint at step {given.step}"
+    facts: dict[str, Any] = {"run": given.run, "step": step, "available_steps": steps}
+    removed = next((c for c in every if c.step == step), None)
+    what = f"has no registered checkpoint at step {step}"
     if removed is not None:
-        what = (
-            f"no longer has its checkpoint at step {given.step}: {removed.status} "
-            f"({removed.reason})"
-        )
+        what = f"no longer has its checkpoint at step {step}: {removed.status} ({removed.reason})"
         facts.update(status=removed.status, reason=removed.reason)
     raise refusal(
         code,
@@ -111,6 +117,43 @@ def source_checkpoint(
         f"(GET /runs/{given.run}/checkpoints)",
         facts,
     )
+
+
+def best_step(*, session: Session, run_id: str, name: str, field: str, code: str) -> int:
+    """The step of run `run_id`'s best checkpoint of eval set `name`
+    (service.checkpoints.registry.best_steps). 422 `code` naming the set and what is missing:
+    the run has no scored evaluation of it (naming the sets it has), or none of the steps it
+    was evaluated at has a usable checkpoint (naming both)."""
+    found = best_steps(session=session, run_id=run_id, sets=[name], checkpointed=True)
+    if name in found:
+        return found[name][0]
+    facts: dict[str, Any] = {"run": run_id, "best": name}
+    evaluated = session.scalars(
+        select(EvalResult.step)
+        .where(
+            EvalResult.run_id == run_id,
+            EvalResult.name == name,
+            EvalResult.cross_entropy.is_not(None),
+        )
+        .order_by(EvalResult.step)
+    ).all()
+    if not evaluated:
+        sets = sorted(best_steps(session=session, run_id=run_id, checkpointed=False))
+        facts["evaluated_sets"] = sets
+        what = (
+            f"has no evaluation of eval set {name!r} to take the best of; the sets it was "
+            f"evaluated on: {', '.join(repr(s) for s in sets) or 'none yet'}"
+        )
+    else:
+        steps = [c.step for c in list_checkpoints(session=session, run_id=run_id)]
+        facts.update(evaluated_steps=list(evaluated), available_steps=steps)
+        what = (
+            f"evaluated eval set {name!r} at steps {', '.join(map(str, evaluated))}, none of "
+            f"which has a usable checkpoint (its usable checkpoints are at steps: "
+            f'{", ".join(map(str, steps)) or "none yet"}); name one with "step", or set '
+            "checkpoint.keep_best in its workflow so that the best one is kept"
+        )
+    raise refusal(code, field, f"run {run_id!r} {what}", facts)
 
 
 def stored_checkpoint(

@@ -30,6 +30,7 @@ from service.schemas import (
     EvalAt,
     InputDiff,
     InputDifference,
+    InputGroup,
     RunComparison,
 )
 
@@ -41,37 +42,100 @@ def percent_change(value: float | None, reference: float | None) -> float | None
     return 100.0 * (value - reference) / reference
 
 
+# What differs, grouped, in the order a comparison shows the groups: (name, title).
+INPUT_GROUPS = (
+    ("data", "data files"),
+    ("phases", "per-phase fields"),
+    ("optimizer", "optimizer"),
+    ("evals", "evals"),
+    ("other", "other inputs"),
+)
+_GROUP_ORDER = {name: i for i, (name, _) in enumerate(INPUT_GROUPS)}
+
+
+def input_group(field: str) -> str:
+    """The group (INPUT_GROUPS) of a field as diff_components names it."""
+    for prefix, group in (
+        ('data["', "data"),
+        ("phases[", "phases"),
+        ("optimizer.", "optimizer"),
+        ("evals[", "evals"),
+    ):
+        if field.startswith(prefix):
+            return group
+    return "other"
+
+
+def change_of(value: Any, reference: Any) -> str | None:
+    """A run's value of an input against the first run's: added, removed, changed or None."""
+    if value == reference:
+        return None
+    if reference is None:
+        return "added"
+    return "removed" if value is None else "changed"
+
+
 def input_differences(components: Sequence[dict[str, Any]]) -> list[InputDifference]:
     """Every signed input in which a run differs from the first, with each run's value: the
     union over runs of diff_components(first, run), a field's value for a run that does not
-    differ in it being the first run's."""
+    differ in it being the first run's. By group (INPUT_GROUPS), then field."""
     first = components[0] if components else {}
     diffs = [{d.field: d for d in diff_components(first, other)} for other in components[1:]]
-    fields = sorted({name for diff in diffs for name in diff})
+    fields = sorted(
+        {name for diff in diffs for name in diff}, key=lambda f: (_GROUP_ORDER[input_group(f)], f)
+    )
     out = []
     for name in fields:
         reference = next(diff[name].stored for diff in diffs if name in diff)
         values = [reference] + [diff[name].given if name in diff else reference for diff in diffs]
-        out.append(InputDifference(field=name, values=values))
+        out.append(
+            InputDifference(
+                field=name,
+                values=values,
+                group=input_group(name),
+                changes=[change_of(value, reference) for value in values],
+            )
+        )
+    return out
+
+
+def input_groups(differences: Sequence[InputDifference]) -> list[InputGroup]:
+    """The groups that hold differences, each counted: data files by what happened to them
+    ("1 added, 2 changed"), the others by fields."""
+    out = []
+    for name, title in INPUT_GROUPS:
+        members = [d for d in differences if d.group == name]
+        if not members:
+            continue
+        if name == "data":
+            counts = {
+                kind: sum(1 for d in members if kind in d.changes)
+                for kind in ("added", "removed", "changed")
+            }
+            summary = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+        else:
+            summary = f"{len(members)} field{'s' if len(members) != 1 else ''}"
+        out.append(InputGroup(name=name, title=title, count=len(members), summary=summary))
     return out
 
 
 def input_diff(runs: Sequence[Run]) -> InputDiff:
     differences = input_differences([run.signature_components for run in runs])
     same_signature = len({run.signature for run in runs}) == 1
+    groups = input_groups(differences)
     if not differences:
         summary = (
             f"identical inputs: the {len(runs)} runs signed the same workflow, tokenizer, data "
             "files and initial weights"
         )
     else:
-        names = ", ".join(d.field for d in differences[:5])
-        more = f" and {len(differences) - 5} more" if len(differences) > 5 else ""
-        summary = f"{len(differences)} input field(s) differ: {names}{more}"
+        named = "; ".join(f"{g.title} ({g.summary})" for g in groups)
+        summary = f"{len(differences)} input field(s) differ: {named}"
     return InputDiff(
         identical=not differences,
         same_signature=same_signature,
         differences=differences,
+        groups=groups,
         summary=summary,
     )
 

@@ -8,7 +8,10 @@ columns="name", values="value")` makes them wide), in (name, step) order:
 
 Evaluations, one row per eval set and step, in (name, step) order:
 
-    run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,oversized_records
+    run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,oversized_records,
+    skipped_malformed_json,skipped_wrong_shape,skipped_no_target
+
+(`skipped_<reason>`: the records skipped for each reason of contracts.reports.SKIP_REASONS.)
 
 An empty cell is a value that is not a finite number. Every point is exported unless
 `max_points` thins the series as the JSON answer does (service.reads.series.thin_series); the points
@@ -26,6 +29,7 @@ from typing import Any
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
+from contracts.reports import SKIP_REASONS
 from service.models import EvalResult, MetricPoint
 from service.reads import evaluation
 from service.reads.series import json_float, metric_columns
@@ -42,6 +46,7 @@ EVAL_COLUMNS = (
     "records",
     "target_tokens",
     "oversized_records",
+    *(f"skipped_{reason}" for reason in SKIP_REASONS),
 )
 PAGE_ROWS = 10_000
 
@@ -120,8 +125,18 @@ def evals_csv(*, session: Session, run_id: str) -> str:
         [
             EVAL_COLUMNS,
             *(
-                (run_id, name, task, step, phase, json_float(ce), json_float(ppl), *counts)
-                for name, task, step, phase, ce, ppl, *counts in rows
+                (
+                    run_id,
+                    name,
+                    task,
+                    step,
+                    phase,
+                    json_float(ce),
+                    json_float(ppl),
+                    *counts,
+                    *(skipped.get(reason, 0) for reason in SKIP_REASONS),
+                )
+                for name, task, step, phase, ce, ppl, *counts, skipped in rows
             ),
         ]
     )

@@ -30,13 +30,20 @@ class InitialCheckpoint:
     path: str
     run: str | None = None
     step: int | None = None
+    # Named as `{"run", "best": SET}`: the eval set whose best checkpoint `step` was.
+    best: str | None = None
 
     @classmethod
     def from_components(cls, components: dict[str, Any]) -> InitialCheckpoint | None:
         stored = components.get("initial_checkpoint")
         if stored is None:
             return None
-        return cls(path=stored["path"], run=stored.get("run"), step=stored.get("step"))
+        return cls(
+            path=stored["path"],
+            run=stored.get("run"),
+            step=stored.get("step"),
+            best=stored.get("best"),
+        )
 
 
 def resolve_initial_checkpoint(
@@ -49,14 +56,16 @@ def resolve_initial_checkpoint(
     owner_id: str | None = None,
 ) -> InitialCheckpoint:
     """A local path (relative to data_root), or another run's usable checkpoint at a step:
-    `{"run", "step"}`, or a path into that run's folder of the artifact store (`roots`), taken
-    as that reference. Another run's is checked by service.checkpoints.source.source_checkpoint: 404
-    `run_not_found` when the run does not exist or, with `owner_id` (the caller's scope), is
-    another owner's; 422 `invalid_initial_checkpoint` naming the steps it has when it has none
-    usable at that step. Its row stays locked until the caller commits: the run that names it
-    is then a pin that a concurrent report of its deletion sees. With `spec`, the checkpoint is
-    checked (check_initial_checkpoint) against `roots` (default: data_root alone) and the
-    model."""
+    `{"run", "step"}`, `{"run", "best": SET}` (its best checkpoint of that eval set, resolved
+    to its step now and kept as that step, with the set beside it), or a path into that run's
+    folder of the artifact store (`roots`), taken as that reference. Another run's is checked
+    by service.checkpoints.source.source_checkpoint: 404 `run_not_found` when the run does not
+    exist or, with `owner_id` (the caller's scope), is another owner's; 422
+    `invalid_initial_checkpoint` naming the steps it has when it has none usable at that step,
+    or the set and what it lacks for a best one. Its row stays locked until the caller
+    commits: the run that names it is then a pin that a concurrent report of its deletion
+    sees. With `spec`, the checkpoint is checked (check_initial_checkpoint) against `roots`
+    (default: data_root alone) and the model."""
     field, code = "initial_checkpoint", "invalid_initial_checkpoint"
     if isinstance(given, str):
         # A path the OS cannot use is kept as given; reading it is refused as `missing_input`.
@@ -74,7 +83,8 @@ def resolve_initial_checkpoint(
         chosen = source_checkpoint(
             session=session, given=given, owner_id=owner_id, field=field, code=code
         )
-    initial = InitialCheckpoint(path=chosen.path, run=chosen.run_id, step=chosen.step)
+    best = None if isinstance(given, str) else given.best
+    initial = InitialCheckpoint(path=chosen.path, run=chosen.run_id, step=chosen.step, best=best)
     if spec is not None:
         # A worker wrote it in the artifact store: confined when the roots name that store.
         check_initial_checkpoint(initial, spec, roots)
@@ -123,7 +133,7 @@ def recheck_initial_checkpoint(
         return
     source = CheckpointOf(run=hashed.run, step=hashed.step)
     now = resolve_initial_checkpoint(session=session, given=source, data_root=data_root)
-    if now != hashed:
+    if now.path != hashed.path:
         raise ApiError(
             409,
             "initial_checkpoint_changed",
@@ -147,4 +157,6 @@ def sign_run(
     stored = signature.components["initial_checkpoint"]
     if stored is not None and initial is not None and initial.run is not None:
         stored.update(run=initial.run, step=initial.step)
+        if initial.best is not None:
+            stored["best"] = initial.best
     return signature

@@ -17,7 +17,7 @@ from contracts.workflow import Plan
 from service.checkpoints.registry import USABLE
 from service.lifecycle import AttemptStatus, RunStatus, budget_use, recovery_seconds
 from service.models import Attempt, Checkpoint, Run, RunTag, utcnow
-from service.schemas import AttemptPublic, CheckpointSummary, RunPublic
+from service.schemas import AttemptPublic, CheckpointSummary, InitialCheckpointFrom, RunPublic
 from service.workers.fleet import LiveCapacity, largest_live_worker
 
 
@@ -202,6 +202,15 @@ def _preparing(attempts: list[Attempt]) -> Preparing | None:
     return Preparing(file=newest.preparing_file, fraction=newest.preparing_fraction or 0.0)
 
 
+def _initial_from(run: Run) -> InitialCheckpointFrom | None:
+    """The run and step (and the eval set, for a best one) of another run's checkpoint the run
+    started from, as its signature components keep them."""
+    stored = (run.signature_components or {}).get("initial_checkpoint") or {}
+    if stored.get("run") is None or stored.get("step") is None:
+        return None
+    return InitialCheckpointFrom(run=stored["run"], step=stored["step"], best=stored.get("best"))
+
+
 def _run_public(
     run: Run,
     attempts: list[Attempt],
@@ -233,6 +242,7 @@ def _run_public(
         signature=run.signature,
         plan=run_plan,
         initial_checkpoint=run.initial_checkpoint,
+        initial_checkpoint_from=_initial_from(run),
         latest_checkpoint=None if latest is None else CheckpointSummary.model_validate(latest),
         attempts=[AttemptPublic.model_validate(a) for a in attempts],
         restarts=use.restarts,

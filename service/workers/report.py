@@ -30,7 +30,7 @@ from contracts.reports import (
     MetricBatch,
 )
 from contracts.reports import MetricPoint as ReportedPoint
-from service.checkpoints.registry import CHECKPOINTS_DIR, pins
+from service.checkpoints.registry import CHECKPOINTS_DIR, kept_best, pins
 from service.db import insert_for
 from service.errors import ApiError
 from service.lifecycle import (
@@ -240,6 +240,8 @@ def record_evals(
                     "records": r.records,
                     "target_tokens": r.target_tokens,
                     "oversized_records": r.oversized_records,
+                    "skipped_records": r.skipped_records,
+                    "skipped_examples": r.skipped_examples,
                 }
                 for r in latest.values()
             ]
@@ -253,6 +255,8 @@ def record_evals(
             "records",
             "target_tokens",
             "oversized_records",
+            "skipped_records",
+            "skipped_examples",
         )
         session.execute(
             stmt.on_conflict_do_update(
@@ -421,8 +425,9 @@ def remove_checkpoint(
     """Record that the worker of `attempt_id` deleted or quarantined its run's checkpoint at
     `removal.step`. Fenced like every report (and renews the lease). A step the registry does
     not hold (a dead attempt's leftover that was never registered) changes nothing: None. A
-    deletion of a pinned checkpoint is 409 `checkpoint_pinned` and changes nothing either; a
-    quarantine is always recorded (the files are unusable whoever needs them)."""
+    deletion of a pinned checkpoint (another run may start from it, or it is the best of a set
+    the run's `checkpoint.keep_best` names) is 409 `checkpoint_pinned` and changes nothing
+    either; a quarantine is always recorded (the files are unusable whoever needs them)."""
     attempt = fence(
         session=session,
         attempt_id=attempt_id,
@@ -443,11 +448,28 @@ def remove_checkpoint(
         if needed_by:
             session.rollback()
             raise _pinned(checkpoint, needed_by)
+        best_of = kept_best(session=session, run_id=attempt.run_id).get(removal.step, [])
+        if best_of:
+            session.rollback()
+            raise _kept_best(checkpoint, best_of)
     checkpoint.status = removal.status
     checkpoint.reason = removal.reason
     checkpoint.removed_at = utcnow()
     session.commit()
     return checkpoint
+
+
+def _kept_best(checkpoint: Checkpoint, sets: list[str]) -> ApiError:
+    named = ", ".join(repr(s) for s in sets)
+    return ApiError(
+        409,
+        "checkpoint_pinned",
+        f"step {checkpoint.step}: the checkpoint {checkpoint.path} of run {checkpoint.run_id} is "
+        f"the best checkpoint of eval set(s) {named}, which its workflow's checkpoint.keep_best "
+        "keeps while the run exists (the answer to each checkpoint registration lists the "
+        "pinned steps)",
+        {"run_id": checkpoint.run_id, "step": checkpoint.step, "best_of": sets},
+    )
 
 
 def _pinned(checkpoint: Checkpoint, needed_by: list[str]) -> ApiError:

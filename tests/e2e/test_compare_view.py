@@ -172,7 +172,7 @@ def test_compare_view_overlays_curves_tables_eval_sets_names_what_differs_and_fo
         differs = browser.execute_script(
             "const trs = document.querySelectorAll('#compare-inputs tbody tr');"
             "return Object.fromEntries([...trs].map((tr) => [tr.dataset.field,"
-            "[...tr.querySelectorAll('td.value')].map((td) => td.textContent)]));"
+            "[...tr.querySelectorAll('td.value .shown')].map((td) => td.textContent)]));"
         )
         assert differs == {
             "optimizer.adamw_lr": [str(FIRST_LR), str(SECOND_LR)],

@@ -3,7 +3,8 @@ against a live `trainctl serve` holding a finished run and a running one.
 
 Screenshots are kept in tests/e2e/artifacts/: run-page.png (a running run, after a live update),
 finished-run-page.png, runs-table.png, waiting-runs-table.png and waiting-run-page.png (a queued
-run no worker serves) and workers.png (the runs table with its workers panel).
+run no worker serves), workers.png (the runs table with its workers panel) and eval-skipped.png
+(the eval table's records scored and skipped, the sets past 2 % marked, and what they skipped).
 """
 
 from __future__ import annotations
@@ -443,3 +444,99 @@ def test_a_viewer_reads_every_run_without_controls_and_a_user_controls_only_its_
             "a message about the missing run",
         )
         assert "run_not_found" in message, message
+
+
+def skipped_results(step: int, phase: str, **by_set: dict[str, Any]) -> list[dict[str, Any]]:
+    """eval_results at `step`, the sets in `by_set` with what they skipped."""
+    results = eval_results(step, phase)
+    for result in results:
+        result.update(by_set.get(result["name"], {}))
+    return results
+
+
+def test_the_eval_table_shows_records_scored_and_skipped_and_marks_a_set_past_two_percent(
+    tmp_path: Path, postgres_url: str, redis_url: str, browser: WebDriver, artifacts: Path
+) -> None:
+    with live_stack(tmp_path, postgres_url, redis_url) as live:
+        run_id, worker = live.running_run(until=38)
+        phase = live.run(run_id)["plan"]["phases"][1]["name"]
+        # qa-rag skipped 2 of 48 (4.2 %: marked); summarization 1 of 100, too long (not).
+        rag = {
+            "records": 46,
+            "skipped_records": {"malformed_json": 1, "wrong_shape": 1},
+            "skipped_examples": [
+                "/data/qa_rag.eval.jsonl:5: not valid JSON (Unterminated string starting at "
+                "column 12)",
+                "/data/qa_rag.eval.jsonl:10: a text record where qa_reasoning reads supervised "
+                "records",
+            ],
+        }
+        summaries = {
+            "records": 99,
+            "oversized_records": 1,
+            "skipped_examples": [
+                "/data/summarization.eval.jsonl:17: encodes to 300 tokens (prompt 290 + target "
+                "and EOS 10), more than sequence_length + 1 = 257"
+            ],
+        }
+        worker.evals(skipped_results(40, phase, **{"qa-rag": rag, "summarization": summaries}))
+        open_run(browser, live, run_id)
+        wait_for(browser, "window.trainctl.page.live === 'live'", "the page follows the events")
+
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('#eval-table tbody tr')].map((r) => ["
+            "r.dataset.set, r.querySelector('td.scored').textContent,"
+            "r.querySelector('td.skipped').textContent,"
+            "r.querySelector('td.skipped').classList.contains('skipped-many')]);"
+        )
+        assert {set_: tuple(rest) for set_, *rest in cells} == {
+            "continued_pretrain": ("8", "0", False),
+            "instruction_tuning": ("8", "0", False),
+            "qa_reasoning": ("8", "0", False),
+            "qa-rag": ("46", "2 !", True),
+            "retrieval_planning": ("8", "0", False),
+            "summarization": ("99", "1", False),
+        }
+        listed = browser.execute_script(
+            "return [...document.querySelectorAll('#eval-skipped > li')].map((li) => "
+            "[li.dataset.set, li.firstChild.textContent + li.childNodes[1].textContent,"
+            "[...li.querySelectorAll('code')].map((c) => c.textContent)]);"
+        )
+        assert listed == [
+            [
+                "qa-rag",
+                "qa-rag skipped 2 of 48 records (4.2%): 1 malformed JSON, 1 wrong shape",
+                rag["skipped_examples"],
+            ],
+            [
+                "summarization",
+                "summarization skipped 1 of 100 records (1.0%): 1 too long",
+                summaries["skipped_examples"],
+            ],
+        ]
+
+        # A set's first skipped records arrive live: counted at once, named once read.
+        instruction = {
+            "records": 37,
+            "skipped_records": {"no_target": 3},
+            "skipped_examples": ["/data/instruction.eval.jsonl:4: pair record with no target"],
+        }
+        sets = {"qa-rag": rag, "summarization": summaries, "instruction_tuning": instruction}
+        worker.evals(skipped_results(45, phase, **sets))
+        wait_for(
+            browser,
+            "document.querySelector(\"#eval-skipped li[data-set='instruction_tuning'] code\")",
+            "the live set's first skipped records are listed",
+        )
+        skipped = browser.find_element(
+            By.CSS_SELECTOR, "#eval-table tr[data-set='instruction_tuning'] td.skipped"
+        )
+        assert skipped.text == "3 !"
+        listed = browser.execute_script(
+            "return [...document.querySelectorAll('#eval-skipped > li')].map((li) => "
+            "[li.dataset.set, li.classList.contains('skipped-many')]);"
+        )
+        assert listed == [["instruction_tuning", True], ["qa-rag", True], ["summarization", False]]
+        browser.execute_script("document.querySelector('#eval-table').scrollIntoView();")
+        browser.save_screenshot(str(artifacts / "eval-skipped.png"))
+        assert_no_console_errors(browser)

@@ -104,6 +104,12 @@ def series(api: httpx.Client, run_id: str) -> dict[str, Any]:
     return api.get(f"/runs/{run_id}/metrics", params={"names": "loss,lr,lr_muon"}).json()
 
 
+def ledger_phases(api: httpx.Client, run_id: str) -> list[dict[str, Any]]:
+    phases = api.get(f"/runs/{run_id}/ledger").json()["phases"]
+    assert all(s["target_tokens"] for p in phases for s in p["sources"]), phases
+    return list(phases)
+
+
 def assert_identical_runs(
     api: httpx.Client, resumed: dict[str, Any], reference: dict[str, Any]
 ) -> None:
@@ -113,6 +119,8 @@ def assert_identical_runs(
     assert differences(optimizer, ref_optimizer) == []
     # Every step's loss and learning rate, not only the end: no step lost, none done twice.
     assert series(api, resumed["id"]) == series(api, reference["id"])
+    # And the token ledger: what each source trained, counted across the resume as without it.
+    assert ledger_phases(api, resumed["id"]) == ledger_phases(api, reference["id"])
     assert resumed["signature"] == reference["signature"]
 
 

@@ -634,3 +634,40 @@ def test_two_eval_sets_of_one_task_need_names_and_keep_their_own_results(
         "summarization": ("summarization", 5.0),
         "summaries-b": ("summarization", 3.0),
     }
+
+
+def test_the_eval_answer_counts_skipped_records_by_reason_and_names_the_latest_examples(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    created = submit(api, {"workflow": tiny_workflow()})
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+    worker = Worker(api, created.json()["attempts"][0]["id"])
+    worker.claim()
+    skipped = {"malformed_json": 1, "no_target": 2}
+    # A worker from before skipped records reports neither field: none skipped.
+    assert worker.evals([eval_point(0, 5.0)]).json() == {"accepted": 1}
+    for step, example in ((5, "eval.jsonl:3: not valid JSON"), (10, "eval.jsonl:3: not JSON")):
+        point = {**eval_point(step, 4.0), "skipped_records": skipped}
+        assert worker.evals([{**point, "skipped_examples": [example]}]).json() == {"accepted": 1}
+
+    summary = api.client.get(f"/runs/{run_id}/eval", headers=api.admin).json()["tasks"][
+        "summarization"
+    ]
+    assert [p["skipped_records"] for p in summary["history"]] == [{}, skipped, skipped]
+    assert summary["baseline"]["skipped_records"] == {}
+    assert summary["latest"]["skipped_records"] == skipped
+    # Examples come once per set, from its latest evaluation, not with every point.
+    assert summary["skipped_examples"] == ["eval.jsonl:3: not JSON"]
+    assert all("skipped_examples" not in p for p in summary["history"])
+
+    csv = api.client.get(f"/runs/{run_id}/eval", params={"format": "csv"}, headers=api.admin)
+    header, *rows = csv.text.splitlines()
+    assert header.endswith(
+        ",oversized_records,skipped_malformed_json,skipped_wrong_shape,skipped_no_target"
+    )
+    assert [row.split(",")[-4:] for row in rows] == [
+        ["1", "0", "0", "0"],
+        ["1", "1", "0", "2"],
+        ["1", "1", "0", "2"],
+    ]

@@ -26,6 +26,7 @@ from contracts.bounds import MAX_COUNT
 from service.api.routes.events import MAX_ROWS_PER_EVENT, RunEvents, StepCursor
 from service.db import make_engine
 from service.models import Run, utcnow
+from service.reads.evaluation import eval_by_phase
 from service.reads.series import metric_columns, metric_series_json
 
 if TYPE_CHECKING:
@@ -438,4 +439,25 @@ def test_an_events_poll_reads_the_evaluations_after_its_cursors_only(
         (name, step) for step in range(2991, 3000) for name in ("qa", "sum") if step > after[name]
     ]
     # Filtering the run's evaluations read all 6,000 of them at every poll.
+    assert rows() <= 100, rows()
+
+
+def test_eval_by_phase_touches_a_few_rows_per_set_and_phase_whatever_the_history(
+    api: Api, tiny_workflow: WorkflowFactory
+) -> None:
+    # Three phases of 1,000 steps and two eval sets evaluated at every step: 6,002 rows.
+    run = submit(api, tiny_workflow(phases=3, steps=1000))
+    with api.sessions.begin() as session:
+        for name in ("qa", "sum"):
+            add_evals(session, run, name, range(3001))
+    with api.sessions() as session, rows_touched(engine_of(api)) as rows:
+        answer = eval_by_phase(session=session, run=session.get_one(Run, run["id"]))
+    assert [
+        [(c.start and c.start.step, c.end and c.end.step) for c in p.sets] for p in answer.phases
+    ] == [
+        [(0, 1000)] * 2,
+        [(1000, 2000)] * 2,
+        [(2000, 3000)] * 2,
+    ]
+    # Filtering the run's evaluations by step would read all 6,002 of them.
     assert rows() <= 100, rows()

@@ -267,6 +267,22 @@ CASES: dict[str, tuple[str, Callable[[Target], Any]]] = {
         "results[0].oversized_records",
         lambda t: evals(t, oversized_records=TOO_BIG),
     ),
+    "eval skipped_records count": (
+        "results[0].skipped_records.malformed_json",
+        lambda t: evals(t, skipped_records={"malformed_json": TOO_BIG}),
+    ),
+    "eval skipped_records reason": (
+        f"results[0].skipped_records.{'r' * 65}.[key]",
+        lambda t: evals(t, skipped_records={"r" * 65: 1}),
+    ),
+    "eval skipped_examples": (
+        "results[0].skipped_examples",
+        lambda t: evals(t, skipped_examples=["f.jsonl:1: not valid JSON"] * 6),
+    ),
+    "eval skipped example": (
+        "results[0].skipped_examples[0]",
+        lambda t: evals(t, skipped_examples=["e" * 2001]),
+    ),
     "eval task": ("results[0].task", lambda t: evals(t, task="t" * 65)),
     "eval phase": ("results[0].phase", lambda t: evals(t, phase="p" * 201)),
     "eval set name": ("results[0].name", lambda t: evals(t, name="n" * 201)),

@@ -103,10 +103,18 @@ def test_cli_evaluates_every_eval_set_of_a_workflow_remotely_as_locally(
             near["oversized_records"],
         )
         assert far["cross_entropy"] == pytest.approx(near["cross_entropy"], rel=1e-5)
-    rows = [line.split() for line in table.splitlines()[2:]]
+    lines = table.splitlines()
+    rows = [line.split() for line in lines[2:4]]
     assert [row[:4] for row in rows] == [
         [r["name"], r["task"], f"{r['records']:,}", f"{r['oversized_records']:,}"] for r in remote
     ]
+    # Half of "short" was too long at 64: marked, and the record named from the worker's job.
+    assert rows[0][4] == "!" and len(rows[1]) == 6
+    assert lines[4:6] == [
+        "!: more than 2% of the set's records skipped",
+        "short skipped 1 too long, the first:",
+    ]
+    assert lines[6].startswith(f"  {summaries}:2: encodes to")
 
 
 def _processes_of_home(home: Path) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from compare_support import (
     loss_of,
     perplexity_of,
     report_first_phase,
+    train,
 )
 from procs import Stack, cli, processes, run_cli
 
@@ -233,7 +235,8 @@ def test_tags_notes_filters_and_csv_exports(tmp_path: Path, postgres_url: str) -
         eval_rows = list(csv.DictReader(io.StringIO(evals.text)))
         assert list(eval_rows[0]) == [
             "run_id", "name", "task", "step", "phase", "cross_entropy", "perplexity",
-            "records", "target_tokens", "oversized_records",
+            "records", "target_tokens", "oversized_records", "skipped_malformed_json",
+            "skipped_wrong_shape", "skipped_no_target",
         ]  # fmt: skip
         assert len(eval_rows) == len(EVAL_SETS) * 3  # steps 0, 5 and 10
         assert_error(
@@ -313,4 +316,72 @@ def test_cli_compares_exports_updates_and_filters(tmp_path: Path, postgres_url: 
         assert nothing.returncode == EXIT_BAD_INPUT
         for reporter in reporters:
             reporter.close()
+        api.close()
+
+
+def whole_numbers_within(printed: str, numbers: list[str], width: int = 80) -> None:
+    lines = printed.splitlines()
+    assert max(len(line) for line in lines) <= width, printed
+    for value in numbers:
+        assert re.search(rf"(^|\s){re.escape(value)}(\s|\*|$)", printed, re.M), (value, printed)
+
+
+def test_the_cli_prints_evals_by_phase_runs_and_comparisons_whole_at_80_columns(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    with processes() as procs:
+        stack = Stack(tmp_path, postgres_url, procs)
+        env = {
+            **stack.env,
+            "TRAINCTL_API_URL": stack.url,
+            "TRAINCTL_TOKEN": stack.admin,
+            "COLUMNS": "80",
+        }
+        api = stack.api()
+        pair = differing_pair(api, tmp_path, pretrain_steps=10, sft_steps=10)
+        first, second = pair.ids
+        train(api, stack.worker_token, pair.first, 0, until=30).close()
+        running = train(api, stack.worker_token, pair.second, 1, until=17)
+        for run_id, name in (
+            (first, "replay phases, reset at every phase (reference)"),
+            (second, "mixture replay with a lower learning rate"),
+        ):
+            assert api.patch(f"/runs/{run_id}", json={"name": name}).status_code == 200
+
+        # By phase: each set at each phase's end (10, 20, 30) and its change over the phase.
+        matrix = api.get(f"/runs/{first}/eval/phases").json()
+        assert [p["last_step"] for p in matrix["phases"]] == [10, 20, 30]
+        printed = run_cli(["runs", "eval", first, "--by-phase"], env=env)
+        ends = [perplexity_of(0, name, step) for name in EVAL_SETS for step in (10, 20, 30)]
+        whole_numbers_within(printed, [f"{value:.2f}" for value in ends])
+        for phase in pair.first["plan"]["phases"]:  # a long name may be shortened, not dropped
+            assert phase["name"][:12] in printed
+        by_json = json.loads(run_cli(["runs", "eval", first, "--by-phase", "--json"], env=env))
+        assert by_json == matrix
+        # The running run's phase shows its latest evaluation so far, marked.
+        so_far = run_cli(["runs", "eval", second, "--by-phase"], env=env)
+        whole_numbers_within(so_far, [f"{perplexity_of(1, 'summarization', 15):.2f}"])
+        assert "* so far" in so_far
+
+        printed = run_cli(["runs", "eval", first], env=env)
+        whole_numbers_within(
+            printed,
+            [f"{perplexity_of(0, name, 30):.2f} @30" for name in EVAL_SETS]
+            + [f"{perplexity_of(0, name, 0):.2f}" for name in EVAL_SETS],
+        )
+        listed = run_cli(["runs", "list"], env=env)
+        whole_numbers_within(listed, [first, second, "30/30", "17/30"])
+
+        compared = run_cli(["runs", "compare", first, second], env=env)
+        whole_numbers_within(
+            compared,
+            [f"{perplexity_of(0, name, 30):.2f} @30" for name in EVAL_SETS]
+            + [f"{perplexity_of(1, name, 15):.2f} @15" for name in EVAL_SETS],
+        )
+        # The eval table first, then the runs, then what differs by group.
+        assert compared.index("evaluation per eval set") < compared.index("runs (the first")
+        assert compared.index("runs (the first") < compared.index("what differs")
+        assert "data files: 1 changed" in compared and "optimizer: 1 field" in compared
+        assert compared.index("data files:") < compared.index("optimizer:")
+        running.close()
         api.close()

@@ -115,11 +115,16 @@ def test_inspection_and_evaluation_jobs_run_on_a_celery_worker(
             assert [p.line for p in report.problems] == [12]
             assert report.lengths["total"].max > SEQUENCE_LENGTH + 1
 
+            # A line that is not a record is counted and named, as evaluation would skip it
+            # and training refuse it; the inspection does not fail on it.
             job = wait_for_job(api, broken, timeout=60, procs=procs)
-            assert job["status"] == "failed", job
-            assert job["result"] is None
-            assert str(data / "broken.jsonl") in job["error"]
-            assert ":2:" in job["error"]
+            assert job["status"] == "succeeded", job
+            report = InspectionReport.model_validate(job["result"])
+            assert (report.records, report.fit, report.refused) == (2, 1, 1)
+            assert report.skipped_records == {"malformed_json": 1}
+            assert [(p.line, p.reason.split(" (")[0]) for p in report.problems] == [
+                (2, "not valid JSON")
+            ]
 
             job = wait_for_job(api, vanishing, timeout=60, procs=procs)
             assert job["status"] == "failed", job

@@ -85,3 +85,44 @@ def test_each_differing_field_lists_every_runs_value_whole() -> None:
 def test_identical_inputs_say_so() -> None:
     text = render(inputs_view(answer([])))
     assert text.startswith("what differs: nothing. identical inputs")
+
+
+def grouped(differences: list[dict[str, Any]]) -> dict[str, Any]:
+    """`answer` with each difference's group and the groups' headings, as the service
+    answers them (service.reads.compare.input_groups)."""
+    found = answer(differences)
+    titles = {"data": "data files", "phases": "per-phase fields", "optimizer": "optimizer"}
+    found["inputs"]["groups"] = [
+        {"name": name, "title": title, "count": n, "summary": f"{n} fields"}
+        for name, title in titles.items()
+        if (n := sum(d["group"] == name for d in differences))
+    ]
+    return found
+
+
+def test_a_long_group_shows_its_first_fields_and_how_many_more_and_all_shows_every_one() -> None:
+    phases = [
+        {"field": f"phases[{i}].steps", "values": [10, 20], "group": "phases"} for i in range(8)
+    ]
+    lr = {"field": "optimizer.adamw_lr", "values": [0.003, 0.001], "group": "optimizer"}
+    view = grouped([*phases, lr])
+    folded = render(comparison_view(view))
+    assert [f"phases[{i}].steps" in folded for i in range(8)] == [True] * 5 + [False] * 3
+    assert "... and 3 more (--all shows every one)" in folded
+    assert folded.index("per-phase fields: 8 fields") < folded.index("optimizer: 1 field")
+    assert "optimizer.adamw_lr" in folded  # a short group is shown whole
+    every = render(comparison_view(view, fold_after=None))
+    assert all(f"phases[{i}].steps" in every for i in range(8)) and "more" not in every
+
+
+def test_at_80_columns_a_digest_is_whole_and_the_run_names_beside_it_are_cut() -> None:
+    view = grouped(
+        [{"field": 'data["/d/a.jsonl"].sha256', "values": [SHA_A, SHA_B], "group": "data"}]
+    )
+    view["runs"][1]["name"] = "mixture replay with a lower learning rate"
+    console = Console(width=80, record=True, color_system=None)
+    console.print(comparison_view(view))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    values = [line.split() for line in lines if SHA_A in line or SHA_B in line]
+    assert values == [["1:ref", SHA_A], ["2:mixture…", SHA_B]]

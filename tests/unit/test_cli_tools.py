@@ -82,12 +82,30 @@ def test_write_fit_writes_the_records_that_fit_and_says_what_it_left(tmp_path: P
     assert again.exit_code == 0 and json.loads(again.stdout)["refused"] == 0
 
 
-def test_inspect_names_the_bad_line(tmp_path: Path) -> None:
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(SHORT) + "\n{not json\n")
-    result = runner.invoke(app, inspect_args(path))
-    assert result.exit_code == 2
-    assert f"{path}:2: not valid JSON" in " ".join(result.stderr.split())
+def test_inspect_counts_what_an_eval_set_would_skip_and_marks_more_than_a_few_percent(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "qa.eval.jsonl"
+    lines = [json.dumps(SHORT), "{not json", json.dumps({"text": "the cat"}), json.dumps(LONG)]
+    path.write_text("".join(line + "\n" for line in [*lines, *[json.dumps(SHORT)] * 6]))
+    result = runner.invoke(app, inspect_args(path), env={"COLUMNS": "200"})
+    # Training would refuse the file: exit 1, and the lines named.
+    assert result.exit_code == 1, result.output
+    said = result.stdout.splitlines()
+    assert (
+        "as an eval set: 7 records scored, 3 skipped (1 too long, 1 malformed JSON, 1 wrong "
+        "shape) !" in said
+    )
+    assert "!: more than 2% of the set's records skipped" in said
+    assert "line 2: not valid JSON" in result.stderr
+    assert "line 3: a text record where qa_reasoning reads supervised records" in result.stderr
+    report = json.loads(runner.invoke(app, inspect_args(path, "--json")).stdout)
+    assert report["skipped_records"] == {"malformed_json": 1, "wrong_shape": 1}
+    assert (report["records"], report["fit"], report["oversized_records"]) == (10, 7, 1)
+
+    clean = write_jsonl(tmp_path / "clean.jsonl", [SHORT] * 3)
+    result = runner.invoke(app, inspect_args(clean), env={"COLUMNS": "200"})
+    assert "as an eval set: 3 records scored, 0 skipped" in result.stdout.splitlines()
 
 
 def tiny_model(directory: Path) -> Path:
@@ -118,10 +136,22 @@ def test_eval_of_a_checkpoint_outside_a_run(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
     assert (answer["records"], answer["oversized_records"], answer["step"]) == (2, 1, 0)
+    assert answer["skipped_records"] == {}
+    assert [e.split(": ", 1)[0] for e in answer["skipped_examples"]] == [f"{data}:2"]
     # An untrained model over 512 tokens: perplexity near the vocabulary size.
     assert 200 < answer["perplexity"] < 1500
     small = runner.invoke(app, [*args, "--sequence-length", "32", "--batch-size", "1", "--json"])
     assert json.loads(small.stdout)["cross_entropy"] == pytest.approx(answer["cross_entropy"])
+
+    said = runner.invoke(app, [*args, "--sequence-length", "32"], env={"COLUMNS": "200"})
+    assert said.exit_code == 0, said.output
+    first, *notes = said.stdout.splitlines()
+    assert "of 2 records (skipped: 1 too long); checkpoint step 0" in first
+    assert notes[:2] == [
+        "!: more than 2% of the set's records skipped",
+        "qa_reasoning, the first skipped:",
+    ]
+    assert notes[2].startswith(f"  {data}:2: encodes to")
 
     missing = runner.invoke(
         app,
@@ -169,17 +199,15 @@ def test_eval_of_every_set_of_a_workflow_prints_one_row_per_set(tmp_path: Path) 
     assert table.exit_code == 0, table.output
     lines = table.stdout.splitlines()
     assert lines[0] == f"{model_dir} (step 0):"
-    assert lines[1].split() == [
-        "set",
-        "task",
-        "records",
-        "oversized",
-        "cross-entropy",
-        "perplexity",
-    ]
-    for line, r in zip(lines[2:], results, strict=True):
-        expected = [r["name"], r["task"], str(r["records"]), str(r["oversized_records"])]
+    assert lines[1].split() == ["set", "task", "scored", "skipped", "cross-entropy", "perplexity"]
+    # One of three records skipped in each set: marked, and said why below the table.
+    for line, r in zip(lines[2:4], results, strict=True):
+        expected = [r["name"], r["task"], str(r["records"]), str(r["oversized_records"]), "!"]
         assert line.split() == [*expected, f"{r['cross_entropy']:.4f}", f"{r['perplexity']:.2f}"]
+    assert lines[4] == "!: more than 2% of the set's records skipped"
+    assert lines[5] == "qa_short skipped 1 too long, the first:"
+    assert lines[6].startswith(f"  {short}:2: encodes to")
+    assert lines[7] == "qa_reasoning skipped 1 too long, the first:"
 
     (tmp_path / "rag.jsonl").unlink()
     gone = runner.invoke(app, args)

@@ -35,6 +35,10 @@ MODEL_WEIGHTS = WEIGHTS_FILE
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 STATE = "state.json"
+# The token ledger's counts that depend on what the batches held (worker.train.ledger), in a
+# part of their own: a worker from before them reads state.json's keys strictly, and so still
+# resumes the checkpoint (the manifest lists this file, which it checks and leaves unread).
+LEDGER = "ledger.json"
 MANIFEST = "manifest.json"
 
 _STEP_PREFIX = "step-"
@@ -51,6 +55,10 @@ class CheckpointState:
     signature: str
     attempt_id: str
     groups: dict[str, list[str]]  # optimizer -> parameter names, in group order
+    # Target tokens trained per source of the phase, phase steps 1 .. phase_step (the token
+    # ledger, worker.train.ledger), kept in LEDGER; None in checkpoints written before it was
+    # counted.
+    source_target_tokens: dict[str, int] | None = None
 
 
 def step_dir_name(step: int) -> str:
@@ -85,7 +93,11 @@ def temporary_name(step: int) -> str:
 
 
 def read_state(path: Path) -> CheckpointState:
-    return CheckpointState(**json.loads((path / STATE).read_text()))
+    """The checkpoint's state.json, with the token ledger's counts (LEDGER) where it has them."""
+    saved = json.loads((path / STATE).read_text())
+    if (path / LEDGER).is_file():
+        saved.update(json.loads((path / LEDGER).read_text()))
+    return CheckpointState(**saved)
 
 
 def verify_checkpoint(

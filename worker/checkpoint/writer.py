@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from worker import failpoint
 from worker.checkpoint.layout import (
+    LEDGER,
     MANIFEST,
     MODEL_WEIGHTS,
     OPTIMIZER,
@@ -171,7 +172,12 @@ def _write_parts(tmp: Path, snapshot: Snapshot, tokenizer: Tokenizer) -> None:
     ).save_pretrained(tmp)
     torch.save(snapshot.optimizer, tmp / OPTIMIZER)
     torch.save(snapshot.rng, tmp / RNG)
-    (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
+    saved = asdict(state)
+    target_tokens = saved.pop("source_target_tokens")
+    (tmp / STATE).write_text(json.dumps(saved, indent=1))
+    if target_tokens is not None:
+        ledger = {"source_target_tokens": target_tokens}
+        (tmp / LEDGER).write_text(json.dumps(ledger, indent=1))
     manifest = {"step": state.step, "files": _manifest_entries(tmp, snapshot.sharded)}
     # The manifest is written last: a directory with a verifying manifest is complete.
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

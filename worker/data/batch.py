@@ -233,11 +233,11 @@ def load_phase_data(
     stores: Stores | None = None,
 ) -> PhaseData:
     """Open (building them first where missing) the token stores of every source of `phase`.
-    A supervised record that cannot be encoded within its source's sequence_length, or that
-    has no target tokens, is refused here, before the first step, with its file, line and
-    lengths; nothing is truncated. `progress` is called as stores are opened or built.
-    Without `stores`, each file is tokenized into a private store that lives as long as its
-    memory maps (tests, one-off tools)."""
+    A line that is not a record, and a supervised record that cannot be encoded within its
+    source's sequence_length or that has no target tokens, is refused here, before the first
+    step, with its file, line and lengths; nothing is truncated or skipped. `progress` is
+    called as stores are opened or built. Without `stores`, each file is tokenized into a
+    private store that lives as long as its memory maps (tests, one-off tools)."""
     if stores is None:
         with Stores.temporary(tokenizer, progress=progress) as temporary:
             return load_phase_data(phase, tokenizer, progress, stores=temporary)
@@ -250,6 +250,7 @@ def load_phase_data(
         store = stores.get(geometry.path, fit=None if text else seq)
         if progress is not None:
             progress()
+        _refuse_invalid(store, geometry, phase)
         if len(store) == 0:
             raise DataError(f"{geometry.path}: no records (phase {phase.name!r})")
         _require_kind(store, text, geometry, phase)
@@ -280,6 +281,19 @@ def load_phase_data(
         counts=_cumulative_counts(schedule, len(sources)),
         grad_accum=phase.grad_accum,
         reports=reports,
+    )
+
+
+def _refuse_invalid(store: TokenFile, geometry: SourceGeometry, phase: Phase) -> None:
+    """Training takes every line of its files or none: the first line that is not a record
+    fails the phase, named as the reader of the file would name it (evaluation skips it)."""
+    if not store.invalid:
+        return
+    count = sum(store.invalid.values())
+    more = f"; {count - 1} more lines of it are not records either" if count > 1 else ""
+    raise DataError(
+        f"{store.invalid_lines[0].message(geometry.path)} (source {geometry.name!r} of phase "
+        f"{phase.name!r}{more})"
     )
 
 
@@ -353,15 +367,12 @@ def _record_rows(
     """Packed rows first .. first + count - 1 of the source's endless row stream, read from
     the store."""
     out = []
-    seq = source.geometry.sequence_length
-    epochs = source._epochs.setdefault((seed, phase_index, index), [])
     epoch, start = 0, 0  # the epoch holding row `first`, and that epoch's first row number
     for g in range(first, first + count):
         while True:
-            while len(epochs) <= epoch:
-                rng = _epoch_rng(seed, phase_index, index, len(epochs))
-                epochs.append(_pack_epoch(source.sizes, seq, rng))
-            order, starts = epochs[epoch]
+            order, starts = _packed_epoch(
+                source, epoch, seed=seed, phase_index=phase_index, index=index
+            )
             rows = len(starts) - 1
             if g < start + rows:
                 break
@@ -370,6 +381,18 @@ def _record_rows(
         r = g - start
         out.append([source.record(int(i)) for i in order[starts[r] : starts[r + 1]]])
     return out
+
+
+def _packed_epoch(
+    source: RecordSource, epoch: int, *, seed: int, phase_index: int, index: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Epoch `epoch` of the source's row stream, (order, starts) as `_pack_epoch` lays it out,
+    packed on first use and kept."""
+    epochs = source._epochs.setdefault((seed, phase_index, index), [])
+    while len(epochs) <= epoch:
+        rng = _epoch_rng(seed, phase_index, index, len(epochs))
+        epochs.append(_pack_epoch(source.sizes, source.geometry.sequence_length, rng))
+    return epochs[epoch]
 
 
 def batch_for_step(data: PhaseData, *, seed: int, phase_index: int, step: int, micro: int) -> Batch:
@@ -388,3 +411,27 @@ def batch_for_step(data: PhaseData, *, seed: int, phase_index: int, step: int, m
         return stack_rows([window_row(w, seq, data.pad_id) for w in windows], source=index)
     packed = _record_rows(source, first, rows, seed=seed, phase_index=phase_index, index=index)
     return packed_rows(packed, seq, data.pad_id, source=index)
+
+
+def epochs_seen(data: PhaseData, *, seed: int, phase_index: int, phase_step: int) -> list[float]:
+    """Per source, how many times phase steps 1 .. phase_step went through it: the windows (of
+    text) or records (packed rows' worth) read, over those it holds. A pure function of the
+    step, like the batches: exact whatever attempts the steps took."""
+    m = phase_step * data.grad_accum
+    out = []
+    for index, source in enumerate(data.sources):
+        rows = int(data.counts[m, index]) * source.geometry.microbatch_size  # rows read
+        if isinstance(source, TextSource):
+            out.append(rows / source.windows)
+            continue
+        epoch = 0
+        while True:
+            order, starts = _packed_epoch(
+                source, epoch, seed=seed, phase_index=phase_index, index=index
+            )
+            if rows < len(starts) - 1:
+                break
+            rows -= len(starts) - 1
+            epoch += 1
+        out.append(epoch + int(starts[rows]) / len(order))
+    return out

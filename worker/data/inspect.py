@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -26,7 +26,16 @@ from contracts.jobs import (
 from contracts.workflow import Objective
 from worker.data.encode import Encoded, EncodedBatch
 from worker.data.records import ELASTIC, Record, read_lines
-from worker.data.store import DROPPED, KEPT, KINDS, TRIMMED, Columns, Stores, TokenFile
+from worker.data.store import (
+    DROPPED,
+    KEPT,
+    KINDS,
+    TRIMMED,
+    Columns,
+    InvalidLine,
+    Stores,
+    TokenFile,
+)
 from worker.data.tokenizer import load_tokenizer
 
 MAX_PROBLEMS = 50  # problems listed with their line numbers; all are counted
@@ -106,6 +115,8 @@ def summarize_store(
         reason=lambda i: store.unusable_reason(i, limit),
         objective=objective,
         sequence_length=sequence_length,
+        invalid=store.invalid,
+        invalid_lines=store.invalid_lines,
     )
 
 
@@ -119,8 +130,14 @@ def _summarize(
     reason: Callable[[int], str],
     objective: Objective,
     sequence_length: int,
+    invalid: Mapping[str, int] | None = None,
+    invalid_lines: Sequence[InvalidLine] = (),
 ) -> InspectionReport:
-    """Counts over whole columns; only the first MAX_PROBLEMS problems are read one by one."""
+    """Counts over whole columns; only the first MAX_PROBLEMS problems are read one by one.
+    `invalid` counts the lines that are not records, by reason; `invalid_lines` names the
+    first of them."""
+    invalid = invalid or {}
+    not_records = sum(invalid.values())
     text = objective == "continued_pretrain"
     kinds = np.asarray(rows["kind"])
     is_text = kinds == KINDS.index("text")
@@ -132,7 +149,7 @@ def _summarize(
     shrunk = usable & ((rows["segments_dropped"] > 0) | (rows["segments_trimmed"] > 0))
     duplicate = _duplicates(np.asarray(rows["key"]))
 
-    problems: list[RecordProblem] = []
+    problems = [RecordProblem(line=i.line, reason=i.detail) for i in invalid_lines]
     candidates = np.flatnonzero(duplicate | wrong_kind | zero | refused)
     for i in candidates[:MAX_PROBLEMS].tolist():
         line = int(rows["line"][i])
@@ -140,10 +157,16 @@ def _summarize(
             problems.append(RecordProblem(line=line, reason="duplicate of an earlier record"))
         if wrong_kind[i]:
             problems.append(
-                RecordProblem(line=line, reason=_wrong_kind(KINDS[kinds[i]], objective))
+                RecordProblem(line=line, reason=wrong_kind_reason(KINDS[kinds[i]], objective))
             )
         elif zero[i] or refused[i]:
             problems.append(RecordProblem(line=line, reason=reason(i)))
+    problems.sort(key=lambda problem: problem.line)  # stable: a record's problems stay in order
+    skipped = {
+        "malformed_json": invalid.get("malformed_json", 0),
+        "wrong_shape": invalid.get("wrong_shape", 0) + int(wrong_kind.sum()),
+        "no_target": int(zero.sum()),
+    }
     formats = {KINDS[k]: int(n) for k, n in zip(*np.unique(kinds, return_counts=True), strict=True)}
     order = sorted(formats, key=lambda kind: int(np.argmax(kinds == KINDS.index(kind))))
     return InspectionReport(
@@ -151,9 +174,9 @@ def _summarize(
         objective=objective,
         sequence_length=sequence_length,
         formats={kind: formats[kind] for kind in order},
-        records=len(rows),
+        records=len(rows) + not_records,
         fit=int((~wrong_kind & (is_text | usable)).sum()),
-        refused=int((wrong_kind | refused).sum()),
+        refused=int((wrong_kind | refused).sum()) + not_records,
         trimmed=int(shrunk.sum()),
         tokens_trimmed=int(rows["tokens_trimmed"][shrunk].sum()),
         segments_dropped=int(rows["segments_dropped"][shrunk].sum()),
@@ -164,6 +187,8 @@ def _summarize(
         segments=[] if text else _survival(segments, roles, usable),
         problems=problems[:MAX_PROBLEMS],
         text_tokens=int(lengths.sum()) if text else None,
+        oversized_records=int(refused.sum()),
+        skipped_records={reason: n for reason, n in skipped.items() if n},
     )
 
 
@@ -177,7 +202,8 @@ def _duplicates(keys: np.ndarray) -> np.ndarray:
     return out
 
 
-def _wrong_kind(kind: str, objective: str) -> str:
+def wrong_kind_reason(kind: str, objective: str) -> str:
+    """Why a `kind` record is of no use to `objective`."""
     if objective == "continued_pretrain":
         return f"a {kind} record where continued_pretrain reads text"
     return f"a text record where {objective} reads supervised records"

@@ -9,7 +9,9 @@ optional .zst), plain text otherwise (every line a document). Each JSON line is 
 - `{"segments": [{"text", "role", "elastic"?}, ...], "target": ...}`: a prompt in parts, whose
   elastic parts (passages, documents) may be dropped or trimmed to fit, never the others.
 
-Other keys (ids, metadata) are ignored. Every error names the file and the line.
+Other keys (ids, metadata) are ignored. Every error names the file and the line. A line that is
+not a record is a RecordError; a reader that skips such lines (a token store, which records
+them for evaluation to skip and training to refuse) passes `invalid` to `iter_records`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Literal, cast
 
@@ -154,93 +156,123 @@ def read_records(path: str) -> list[Record]:
     return [record for record, _ in iter_records(path)]
 
 
-def iter_records(path: str, digest: Hash | None = None) -> Iterator[tuple[Record, int]]:
+class RecordError(DataError):
+    """A line that is not a record: not JSON (`reason` "malformed_json"), or JSON of no shape
+    a record has ("wrong_shape"; contracts.reports.SKIP_REASONS). The message names the file
+    and the line; `detail` says what is wrong without them, as a token store keeps it (stores
+    are shared by content, whatever path a reader names the file by)."""
+
+    def __init__(self, path: str, line: int, reason: str, detail: str) -> None:
+        super().__init__(f"{path}:{line}: {detail}")
+        self.line = line
+        self.reason = reason
+        self.detail = detail
+
+
+class _NotARecord(Exception):
+    """What is wrong with a line's JSON, without the file and line (RecordError adds them)."""
+
+
+def iter_records(
+    path: str,
+    digest: Hash | None = None,
+    *,
+    invalid: Callable[[RecordError], None] | None = None,
+) -> Iterator[tuple[Record, int]]:
     """Every record of a file, in order, streaming, each with the bytes read so far; the file's
-    bytes to `digest` as they are read (read_lines_at)."""
+    bytes to `digest` as they are read (read_lines_at). A line that is not a record raises its
+    RecordError, or, with `invalid`, goes to it and the reading goes on."""
     jsonl = is_jsonl(path)
     for n, line, at in read_lines_at(path, digest):
-        if jsonl:
-            yield parse_record(path, n, line), at
-        else:
+        if not jsonl:
             yield Record(path=path, line=n, kind="text", raw=line, text=line), at
+            continue
+        try:
+            record = parse_record(path, n, line)
+        except RecordError as err:
+            if invalid is None:
+                raise
+            invalid(err)
+            continue
+        yield record, at
 
 
 def parse_record(path: str, line: int, raw: str) -> Record:
-    where = f"{path}:{line}"
+    """The record of one JSONL line; RecordError naming the file and line if it is none."""
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
+        detail = f"not valid JSON ({err.msg} at column {err.colno})"
+        raise RecordError(path, line, "malformed_json", detail) from err
+    try:
+        return _record(functools.partial(Record, path=path, line=line, raw=raw), value)
+    except _NotARecord as err:
+        raise RecordError(path, line, "wrong_shape", str(err)) from None
+
+
+def _record(base: Callable[..., Record], value: Any) -> Record:
     if not isinstance(value, dict):
-        raise DataError(f"{where}: expected a JSON object, one of {_SHAPES}")
-    base = functools.partial(Record, path=path, line=line, raw=raw)
+        raise _NotARecord(f"expected a JSON object, one of {_SHAPES}")
     if "segments" in value:
         return base(
             kind="segmented",
-            segments=_segments(where, value["segments"]),
-            target=_string(where, value, "target"),
+            segments=_segments(value["segments"]),
+            target=_string(value, "target"),
         )
     if "messages" in value:
-        return base(kind="chat", messages=_messages(where, value["messages"]))
+        return base(kind="chat", messages=_messages(value["messages"]))
     if "source" in value or "target" in value:
-        return base(
-            kind="pair",
-            source=_string(where, value, "source"),
-            target=_string(where, value, "target"),
-        )
+        return base(kind="pair", source=_string(value, "source"), target=_string(value, "target"))
     if "text" in value:
-        return base(kind="text", text=_string(where, value, "text"))
-    raise DataError(f"{where}: unknown record with keys {sorted(value)[:8]}; expected {_SHAPES}")
+        return base(kind="text", text=_string(value, "text"))
+    raise _NotARecord(f"unknown record with keys {sorted(value)[:8]}; expected {_SHAPES}")
 
 
-def _string(where: str, value: dict[str, Any], field: str) -> str:
+def _string(value: dict[str, Any], field: str, at: str = "") -> str:
+    """`value[field]`, a string; `at` ("messages[0]: ") says where `value` is in the line."""
     if field not in value:
-        raise DataError(f"{where}: missing field {field!r}")
+        raise _NotARecord(f"{at}missing field {field!r}")
     if not isinstance(value[field], str):
-        raise DataError(
-            f"{where}: field {field!r} must be a string, not {type(value[field]).__name__}"
+        raise _NotARecord(
+            f"{at}field {field!r} must be a string, not {type(value[field]).__name__}"
         )
     return value[field]
 
 
-def _messages(where: str, value: Any) -> tuple[Message, ...]:
+def _messages(value: Any) -> tuple[Message, ...]:
     if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list")
+        raise _NotARecord("field 'messages' must be a non-empty list")
     out = []
     for i, item in enumerate(value):
         if not isinstance(item, dict):
-            raise DataError(f"{where}: messages[{i}] must be an object {{role, content}}")
-        out.append(
-            Message(
-                role=_string(f"{where}: messages[{i}]", item, "role"),
-                content=_string(f"{where}: messages[{i}]", item, "content"),
-            )
-        )
+            raise _NotARecord(f"messages[{i}] must be an object {{role, content}}")
+        at = f"messages[{i}]: "
+        out.append(Message(role=_string(item, "role", at), content=_string(item, "content", at)))
     return tuple(out)
 
 
-def _segments(where: str, value: Any) -> tuple[Segment, ...]:
+def _segments(value: Any) -> tuple[Segment, ...]:
     if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field 'segments' must be a non-empty list")
+        raise _NotARecord("field 'segments' must be a non-empty list")
     out = []
     for i, item in enumerate(value):
-        at = f"{where}: segments[{i}]"
         if not isinstance(item, dict):
-            raise DataError(f"{at} must be an object {{text, role, elastic?}}")
+            raise _NotARecord(f"segments[{i}] must be an object {{text, role, elastic?}}")
+        at = f"segments[{i}]: "
         elastic = item.get("elastic")
         if elastic is True:
             elastic = "drop"
         elif elastic is False:
             elastic = None
         if elastic is not None and elastic not in ELASTIC:
-            raise DataError(
-                f"{at}: elastic must be one of {', '.join(map(repr, ELASTIC))}, true or false, "
+            raise _NotARecord(
+                f"{at}elastic must be one of {', '.join(map(repr, ELASTIC))}, true or false, "
                 f"not {elastic!r}"
             )
         role = item.get("role", "segment")
         if not isinstance(role, str):
-            raise DataError(f"{at}: field 'role' must be a string")
+            raise _NotARecord(f"{at}field 'role' must be a string")
         out.append(
-            Segment(text=_string(at, item, "text"), role=role, elastic=cast(Elastic, elastic))
+            Segment(text=_string(item, "text", at), role=role, elastic=cast(Elastic, elastic))
         )
     return tuple(out)

@@ -14,7 +14,11 @@ and evaluation on the same artifact store shares it. Under `<artifact_root>/toke
 - `records.bin`: per record, its line, kind, fit and the lengths of its encode report
   (`RECORD_DTYPE`), and a 64-bit hash of its content for counting duplicates;
 - `segments.bin`: per segment of a segmented record, its role, elasticity and fate;
-- `meta.json`, written last: the key, counts, dtype, roles and every file's size.
+- `meta.json`, written last: the key, counts, dtype, roles and every file's size, and the
+  lines that are not records (`invalid`: not JSON, or JSON of no record's shape): counted by
+  reason, the first MAX_INVALID_LINES with their line and what is wrong. A store holds every
+  line of its file, records or not, and its readers decide: training refuses a file with such
+  lines, naming the first; evaluation skips and counts them; inspection lists them.
 
 It is built streaming (ENCODE_BATCH records in memory at a time) into a temporary directory,
 hashing the file's bytes as they are read (published only when they have the digest the name
@@ -58,7 +62,7 @@ from contracts.reports import Claim
 from contracts.workflow import ENCODER_VERSION
 from runtime.digest import digest_path
 from worker.data.encode import ZERO_TARGET, EncodedBatch, assemble_batch, tokenize, too_long
-from worker.data.records import ELASTIC, Record, iter_records
+from worker.data.records import ELASTIC, Record, RecordError, iter_records
 from worker.data.tokenizer import special_token_ids
 from worker.error import DataError
 from worker.files import fsync_dir, fsync_file
@@ -69,7 +73,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STORE_DIR = "tokens"
-FORMAT = 1  # of the files below; a store of another format is rebuilt, never misread
+# Of the files below; a store of another format is rebuilt, never misread. Format 2 is format 1
+# with `invalid` in meta.json. A store whose file has no invalid line is written as format 1,
+# which workers from before format 2 share; one with invalid lines as format 2, which they
+# refuse and rebuild (refusing the file, as they always did) instead of training on a file
+# whose bad lines they cannot see. A format-1 store has none: its builder refused them.
+FORMAT = 1
+FORMAT_WITH_INVALID = 2
+# Invalid lines a store names (their line and what is wrong); all are counted.
+MAX_INVALID_LINES = 50
 META = "meta.json"
 DIGESTS = "digests"  # under a store root: runtime.digest's entries, which outlive a worker
 _TMP_PREFIX = ".tmp-"
@@ -132,14 +144,28 @@ class StoreKey:
         fit = "raw" if self.fit is None else f"fit{self.fit}"
         return f"{self.file_sha256[:32]}-{self.tokenizer_sha256[:16]}-e{self.encoder_version}-{fit}"
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self, format: int = FORMAT) -> dict[str, Any]:
         return {
-            "format": FORMAT,
+            "format": format,
             "file_sha256": self.file_sha256,
             "tokenizer_sha256": self.tokenizer_sha256,
             "encoder_version": self.encoder_version,
             "fit": self.fit,
         }
+
+
+@dataclass(frozen=True)
+class InvalidLine:
+    """A line of a store's file that is not a record: its number, why (RecordError.reason)
+    and what is wrong, without the file's path (RecordError.detail)."""
+
+    line: int
+    reason: str
+    detail: str
+
+    def message(self, path: str) -> str:
+        """`file:line: detail`, with the path the reader names the file by."""
+        return f"{path}:{self.line}: {self.detail}"
 
 
 def store_root(root: str | Path) -> Path:
@@ -176,6 +202,10 @@ class TokenFile:
         self.records = _map(path / "records.bin", RECORD_DTYPE)
         self.segments = _map(path / "segments.bin", SEGMENT_DTYPE)
         self.roles: list[str] = list(meta["roles"])
+        invalid = meta.get("invalid") or {}  # none in a format-1 store
+        # Lines that are not records, by reason, and the first MAX_INVALID_LINES of them.
+        self.invalid: dict[str, int] = dict(invalid.get("counts", {}))
+        self.invalid_lines = [InvalidLine(*row) for row in invalid.get("lines", [])]
 
     def __len__(self) -> int:
         return len(self.records)
@@ -232,10 +262,10 @@ def open_store(directory: Path, key: StoreKey) -> TokenFile:
         meta = json.loads((directory / META).read_text())
     except (OSError, ValueError) as err:
         raise DataError(f"token store {directory}: no readable {META} ({err})") from err
-    if meta.get("identity") != key.identity():
-        raise DataError(
-            f"token store {directory} was built for {meta.get('identity')}, not {key.identity()}"
-        )
+    identity = meta.get("identity")
+    format = identity.get("format") if isinstance(identity, dict) else None
+    if format not in (FORMAT, FORMAT_WITH_INVALID) or identity != key.identity(format):
+        raise DataError(f"token store {directory} was built for {identity}, not {key.identity()}")
     for name, size in meta["files"].items():
         actual = (directory / name).stat().st_size if (directory / name).exists() else None
         if actual != size:
@@ -453,6 +483,7 @@ def _build(
     count = tokens = 0
     pending = np.zeros(0, bool)  # mask bits not yet a whole byte
     files: dict[str, IO[bytes]] = {name: open(tmp / name, "wb") for name in _FILES}  # noqa: SIM115
+    invalid = _InvalidLines()
     # The bytes tokenized, hashed as they are read: the store's name says the file's digest,
     # taken before, which they must match. SHA-256 runs at ~1.5 GB/s here against the build's
     # ~4 MB/s of text (bench/RESULTS.md): 0.3% of a build.
@@ -485,7 +516,7 @@ def _build(
         files["offsets.bin"].write(np.zeros(1, "<i8").tobytes())
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as encoder:
             previous: tuple[list[Record], Future[list[list[list[int]]]]] | None = None
-            for batch, at in _batches(path, read):
+            for batch, at in _batches(path, read, invalid.add):
                 future = encoder.submit(tokenize, tokenizer, batch)
                 if previous is not None:
                     finish(*previous)
@@ -505,8 +536,8 @@ def _build(
     _check_read(path, read.hexdigest(), key)
     for name in _FILES:
         fsync_file(tmp / name)
-    meta = {
-        "identity": key.identity(),
+    meta: dict[str, Any] = {
+        "identity": key.identity(FORMAT_WITH_INVALID if invalid.counts else FORMAT),
         "path": path,
         "dtype": dtype.str,
         "records": count,
@@ -514,6 +545,8 @@ def _build(
         "roles": list(columns.roles),
         "files": {name: (tmp / name).stat().st_size for name in _FILES},
     }
+    if invalid.counts:
+        meta["invalid"] = {"counts": invalid.counts, "lines": invalid.lines}
     # Written last: a directory with a meta.json is complete.
     (tmp / META).write_text(json.dumps(meta, indent=1))
     fsync_file(tmp / META)
@@ -533,12 +566,29 @@ def _check_read(path: str, read: str, key: StoreKey) -> None:
         )
 
 
-def _batches(path: str, digest: Hash) -> Iterator[tuple[list[Record], int]]:
+class _InvalidLines:
+    """The lines of a file being built that are not records: counted by reason, the first
+    MAX_INVALID_LINES kept as (line, reason, detail)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.lines: list[tuple[int, str, str]] = []
+
+    def add(self, err: RecordError) -> None:
+        self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
+        if len(self.lines) < MAX_INVALID_LINES:
+            self.lines.append((err.line, err.reason, err.detail))
+
+
+def _batches(
+    path: str, digest: Hash, invalid: Callable[[RecordError], None]
+) -> Iterator[tuple[list[Record], int]]:
     """ENCODE_BATCH records or ENCODE_BYTES of lines at a time, whichever comes first, each
-    batch with the bytes of the file read so far; every byte read goes to `digest`."""
+    batch with the bytes of the file read so far; every byte read goes to `digest`, every line
+    that is not a record to `invalid`."""
     batch: list[Record] = []
     position = held = 0
-    for record, position in iter_records(path, digest):
+    for record, position in iter_records(path, digest, invalid=invalid):
         batch.append(record)
         held += len(record.raw)
         if len(batch) == ENCODE_BATCH or held >= ENCODE_BYTES:
@@ -621,9 +671,17 @@ class Stores:
 def prepare_file(request: PrepareRequest, stores: Stores) -> PreparedStore:
     """The store of `request.path` that a phase with the request's objective and
     sequence_length would build before its first step (same key: the phase maps it), built now
-    unless a complete one is there already. Memory is the build's: ENCODE_BATCH records."""
+    unless a complete one is there already. Memory is the build's: ENCODE_BATCH records. A file
+    with lines that are not records is refused, as that phase would refuse it."""
     started = time.perf_counter()
     store, built = stores.open(request.path, request.fit)
+    if store.invalid:
+        # Built all the same (an eval set reading the file maps it), but a phase refuses it.
+        count = sum(store.invalid.values())
+        raise DataError(
+            f"{store.invalid_lines[0].message(request.path)}: {count} lines of it are not "
+            "records, so a phase reading it refuses it; fix them and prepare it again"
+        )
     return PreparedStore(
         path=request.path,
         store=str(store.path),

@@ -2,8 +2,11 @@
 
 Records go through the one encoder (worker.data.encode, read from the token store that
 training reads) and the loss through the one objective (worker.train.objective), so an eval
-number is the training loss without gradients. A supervised record that does not fit is skipped
-and counted in `oversized_records`; one without target tokens is an error, never a silent zero.
+number is the training loss without gradients. A held-out record never takes a run down: one
+that cannot be scored is skipped and counted, too long in `oversized_records`, the others by
+reason in `skipped_records` (a line that is not JSON, a record of the wrong shape for the task,
+one without target tokens, never a silent zero), the first few named in `skipped_examples`.
+Only a set with nothing to score is an error, when its data is loaded: at the phase's start.
 The loop evaluates the sets due at a step with `run_evals`; jobs and the CLI evaluate a saved
 checkpoint with `evaluate_checkpoint`.
 """
@@ -11,7 +14,8 @@ checkpoint with `evaluate_checkpoint`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +23,19 @@ import torch
 from tokenizers import Tokenizer
 from transformers import PreTrainedModel
 
+from contracts.bounds import MAX_SKIPPED_EXAMPLE, MAX_SKIPPED_EXAMPLES
 from contracts.jobs import EvaluateRequest
-from contracts.reports import EvalResult
+from contracts.reports import SKIP_REASONS, EvalResult
 from contracts.workflow import EvalSpec, Phase, Workflow, perplexity
 from worker.data.batch import IGNORE_INDEX, StoredRecord, record_row, stack_rows, window_row
-from worker.data.encode import ZERO_TARGET
-from worker.data.store import KINDS, Stores
+from worker.data.inspect import wrong_kind_reason
+from worker.data.store import KINDS, Stores, TokenFile
 from worker.data.tokenizer import load_tokenizer, special_token_ids
 from worker.error import ConfigError, DataError
 from worker.link.reporter import Reporter
 from worker.train.objective import objective_loss
+
+_NO_TARGET = "with no target tokens: nothing of it can be scored"
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,11 @@ class EvalData:
     path: str
     sequence_length: int
     rows: list[tuple[np.ndarray, np.ndarray]]  # (input_ids, labels), each at its own length
-    records: int
+    records: int  # scored
     oversized_records: int
     pad_id: int
+    skipped_records: dict[str, int] = field(default_factory=dict)  # by reason, oversized apart
+    skipped_examples: list[str] = field(default_factory=list)  # "file:line: reason"
 
 
 def load_eval_data(
@@ -52,7 +61,9 @@ def load_eval_data(
 ) -> EvalData:
     """The rows of an eval file, read from its token store (without `stores`, a private
     one). Held-out text is cut into windows whose targets cover every token after the first
-    exactly once; supervised records are fitted as in training."""
+    exactly once; supervised records are fitted as in training. What cannot be scored is
+    skipped and counted (lines that are not records, records of the wrong shape for the task,
+    without target tokens, too long); DataError, naming the file, when nothing is left."""
     if stores is None:
         with Stores.temporary(tokenizer) as temporary:
             return load_eval_data(
@@ -61,42 +72,107 @@ def load_eval_data(
     _, pad_id = special_token_ids(tokenizer)
     text = spec.task == "continued_pretrain"
     store = stores.get(spec.data, fit=None if text else sequence_length)
-    first = store.first_of_other_kind(text)
-    if first is not None:
-        wants = "text" if text else "supervised records"
-        raise DataError(
-            f"{spec.data}:{int(store.records['line'][first])}: a "
-            f"{KINDS[store.kinds()[first]]} record in the eval data of task {spec.task!r}, "
-            f"which reads {wants}"
-        )
+    skipped = _Skipped(spec.data, store)
+    columns = store.records
+    wrong = store.is_text() != text
+    skipped.add(
+        "wrong_shape", wrong, lambda i: wrong_kind_reason(KINDS[columns["kind"][i]], spec.task)
+    )
     if text:
-        tokens = store.ids
+        scored = ~wrong
+        # The windows of the text records only: a record of another shape is not held-out text.
+        tokens = store.ids if scored.all() else store.ids[np.repeat(scored, store.lengths())]
+        rows = [
+            window_row(window, len(window) - 1, pad_id)
+            for window in (
+                tokens[start : start + sequence_length + 1]
+                for start in range(0, max(len(tokens) - 1, 0), sequence_length)
+            )
+        ]
+        oversized = np.zeros(len(store), bool)
+    else:
+        zero = ~wrong & columns["zero_target"]
+        skipped.add("no_target", zero, lambda i: f"{KINDS[columns['kind'][i]]} record {_NO_TARGET}")
+        oversized = ~wrong & ~zero & ~columns["fits"]
+        skipped.add("oversized", oversized, lambda i: store.unusable_reason(i, sequence_length + 1))
+        scored = ~wrong & ~zero & columns["fits"]
         rows = []
-        for start in range(0, max(len(tokens) - 1, 0), sequence_length):
-            window = tokens[start : start + sequence_length + 1]
-            rows.append(window_row(window, len(window) - 1, pad_id))
-        return EvalData(
-            spec.name, spec.task, spec.data, sequence_length, rows, len(store), 0, pad_id
-        )
-    zero = np.flatnonzero(store.records["zero_target"])
-    if zero.size:
-        line = int(store.records["line"][int(zero[0])])
-        raise DataError(f"{spec.data}:{line}: eval record of task {spec.task!r} has {ZERO_TARGET}")
-    fitting = np.flatnonzero(store.records["fits"]).tolist()
-    rows = []
-    for i in fitting:
-        ids, mask = store.record(i)
-        rows.append(record_row(StoredRecord(ids, mask), len(ids) - 1, pad_id))
-    return EvalData(
+        for i in np.flatnonzero(scored).tolist():
+            ids, mask = store.record(i)
+            rows.append(record_row(StoredRecord(ids, mask), len(ids) - 1, pad_id))
+    data = EvalData(
         name=spec.name,
         task=spec.task,
         path=spec.data,
         sequence_length=sequence_length,
         rows=rows,
-        records=len(fitting),
-        oversized_records=len(store) - len(fitting),
+        records=int(scored.sum()),
+        oversized_records=int(oversized.sum()),
         pad_id=pad_id,
+        skipped_records=skipped.counts(),
+        skipped_examples=skipped.examples(),
     )
+    if not rows:
+        raise DataError(
+            f"{spec.data}: nothing to evaluate in eval set {spec.name!r} (task {spec.task}, "
+            f"sequence_length {sequence_length}): {_left_out(data)}"
+        )
+    return data
+
+
+class _Skipped:
+    """The records of an eval file that cannot be scored: the store's invalid lines, then each
+    reason's records as `add` names them; counted by reason, and the first few kept."""
+
+    def __init__(self, path: str, store: TokenFile) -> None:
+        self.path = path
+        self._counts = dict(store.invalid)
+        # Per reason, its first MAX_SKIPPED_EXAMPLES records as (line, "file:line: reason").
+        self._first: dict[str, list[tuple[int, str]]] = {}
+        for invalid in store.invalid_lines:
+            first = self._first.setdefault(invalid.reason, [])
+            if len(first) < MAX_SKIPPED_EXAMPLES:
+                first.append((invalid.line, invalid.message(path)))
+        self._lines = store.records["line"]
+
+    def add(self, reason: str, skipped: np.ndarray, why: Callable[[int], str]) -> None:
+        """The records `skipped` (bool per record) for `reason`, each explained by `why(i)`."""
+        indices = np.flatnonzero(skipped)
+        if not indices.size:
+            return
+        self._counts[reason] = self._counts.get(reason, 0) + int(indices.size)
+        first = self._first.setdefault(reason, [])
+        for i in indices[: MAX_SKIPPED_EXAMPLES - len(first)].tolist():
+            line = int(self._lines[i])
+            first.append((line, f"{self.path}:{line}: {why(i)}"))
+
+    def counts(self) -> dict[str, int]:
+        """Skipped records by reason (SKIP_REASONS), those too long apart."""
+        return {reason: n for reason, n in self._counts.items() if reason in SKIP_REASONS}
+
+    def examples(self) -> list[str]:
+        """The first MAX_SKIPPED_EXAMPLES by line, each reason's first among them before any
+        reason's second, so a file with many records too long still shows its one bad line."""
+        firsts = sorted(examples[0] for examples in self._first.values() if examples)
+        rest = sorted(e for examples in self._first.values() for e in examples[1:])
+        chosen = firsts[:MAX_SKIPPED_EXAMPLES]
+        chosen += rest[: MAX_SKIPPED_EXAMPLES - len(chosen)]
+        return [_cut(message) for _, message in sorted(chosen)]
+
+
+def _cut(message: str) -> str:
+    return (
+        message if len(message) <= MAX_SKIPPED_EXAMPLE else message[: MAX_SKIPPED_EXAMPLE - 1] + "…"
+    )
+
+
+def _left_out(data: EvalData) -> str:
+    """What an eval set skipped, in words: "3 too long, 1 malformed JSON; first: FILE:LINE..."."""
+    counts = [f"{data.oversized_records} too long"] if data.oversized_records else []
+    counts += [f"{n} {SKIP_REASONS[reason]}" for reason, n in data.skipped_records.items()]
+    if not counts:
+        return "it holds no records"
+    return f"{', '.join(counts)}; first: {data.skipped_examples[0]}"
 
 
 def evaluate_task(
@@ -110,11 +186,6 @@ def evaluate_task(
     """Cross-entropy = total target NLL / total target tokens over the whole file (not a mean
     of batch means), computed by the training objective without gradients. Rows are padded to
     the longest of their batch; padding is never a target, so the batch size changes nothing."""
-    if not data.rows:
-        raise DataError(
-            f"eval {data.name!r} ({data.path}): nothing to evaluate at sequence_length "
-            f"{data.sequence_length} ({data.oversized_records} records too long)"
-        )
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -142,6 +213,8 @@ def evaluate_task(
         records=data.records,
         target_tokens=total_tokens,
         oversized_records=data.oversized_records,
+        skipped_records=data.skipped_records,
+        skipped_examples=data.skipped_examples,
     )
 
 

@@ -26,6 +26,7 @@ from worker.checkpoint.writer import CheckpointWriter, publish_checkpoint
 from worker.link.reporter import Reporter
 from worker.model.optim import Optimizers
 from worker.model.rng import PrivateRandom
+from worker.train.ledger import TokenLedger
 from worker.train.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class CheckpointKeeper:
     run (the fencing check): a "stop" met there raises StopOrdered, a "pause" sets
     `pause_ordered`. Older checkpoints are deleted only once the service holds the new one,
     never one the service says another run needs (pinned), and each only once the service
-    recorded its deletion."""
+    recorded its deletion. Pinned steps include the best checkpoint of each eval set the
+    workflow's `checkpoint.keep_best` names: the service picks them, retention keeps them."""
 
     def __init__(
         self,
@@ -71,10 +73,10 @@ class CheckpointKeeper:
         self.latest = latest  # the newest registered checkpoint of this phase
         self.pause_ordered = False  # a fencing check was answered "pause"
 
-    def save(self, step: int, *, tokens_seen: int, parts: SaveParts) -> None:
+    def save(self, step: int, *, ledger: TokenLedger, parts: SaveParts) -> None:
         """Start saving the model after update `step` with `parts` (gathered from every rank:
-        `gather_parts`), unless that save is already under way; the previous save is registered
-        first if it finished meanwhile."""
+        `gather_parts`) and the token counts of `ledger` at that step, unless that save is
+        already under way; the previous save is registered first if it finished meanwhile."""
         if self._writer.last_started == step:
             return
         state = CheckpointState(
@@ -82,10 +84,11 @@ class CheckpointKeeper:
             phase_index=self._claim.phase_index,
             phase_name=self._phase.name,
             phase_step=step - self._offset,
-            tokens_seen=tokens_seen,
+            tokens_seen=ledger.tokens_seen,
             signature=self._claim.signature,
             attempt_id=self._claim.attempt_id,
             groups=self._optimizers.group_names(),
+            source_target_tokens=ledger.target_tokens(),
         )
         saved = self._writer.start(
             model=self._model,
@@ -167,7 +170,7 @@ class NoCheckpoints:
     latest: CheckpointRef | None = None
     pause_ordered = False
 
-    def save(self, step: int, *, tokens_seen: int, parts: SaveParts) -> None:
+    def save(self, step: int, *, ledger: TokenLedger, parts: SaveParts) -> None:
         pass
 
     def collect(self, done: int) -> None:

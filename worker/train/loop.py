@@ -49,6 +49,7 @@ from worker.train.keeper import (
     StopOrdered,
     gather_parts,
 )
+from worker.train.ledger import TokenLedger
 from worker.train.objective import StepLoss, backward_step
 from worker.train.ranks import Order, Ranks
 from worker.train.restore import Restored, restore_phase
@@ -123,7 +124,14 @@ def train_phase(
         gather_parts, ranks, rng, model, optimizers, restored.shards, last=last, directory=directory
     )
     evaluates = ranks.main or ranks.sharded  # rank 0 evaluates; sharded, every rank runs it
-    start, tokens_seen = restored.start, restored.tokens_seen
+    start = restored.start
+    ledger = TokenLedger(
+        data,
+        seed=workflow.seed,
+        phase_index=claim.phase_index,
+        tokens_seen=restored.tokens_seen,
+        target_tokens=restored.target_tokens,
+    )
     done = start  # the last step whose update was made
     try:
         if start == 0 and workflow.evals and evaluates:
@@ -155,7 +163,7 @@ def train_phase(
             )
             done = step
             failpoint.hit("after_step", step)
-            tokens_seen += phase.tokens_per_step
+            ledger.add(phase.tokens_per_step, {i: result.by_source[i][1] for i in sources})
             elapsed = time.perf_counter() - started
             metrics.observe_step(step, elapsed, phase.tokens_per_step)
 
@@ -169,6 +177,7 @@ def train_phase(
                     "grad_norm": norm_value,
                     "tokens_per_s": phase.tokens_per_step / elapsed,
                     **_source_metrics(data, source_names, phase_step, sources, source_nll, result),
+                    **ledger.metrics(phase_step),
                 },
             )
             # --- eval and checkpoint, as decided above (the loop waits for the snapshot only)
@@ -177,14 +186,14 @@ def train_phase(
             parts = save_parts(step=step) if checkpoint_due else None  # before any stop
             # --- stop: the service's orders, then a preemption notice; rank 0's for every rank
             order = ranks.agree(
-                _end_step(keeper, reporter, parts, step, last, tokens_seen, stop_requested)
+                _end_step(keeper, reporter, parts, step, last, ledger, stop_requested)
             )
             if order == "stop":
                 raise StopOrdered
             if step == last:
                 break
             if order != "go":
-                keeper.save(step, tokens_seen=tokens_seen, parts=save_parts(step=step))
+                keeper.save(step, ledger=ledger, parts=save_parts(step=step))
                 keeper.wait(step)  # the save above, unless it was under way already
                 return PhaseOutcome(
                     status="preempted" if order == "preempt" else "paused",
@@ -350,7 +359,7 @@ def _end_step(
     parts: SaveParts | None,
     step: int,
     last: int,
-    tokens_seen: int,
+    ledger: TokenLedger,
     stop_requested: Callable[[], bool],
 ) -> Order:
     """Rank 0's order at the end of update `step`: a background save that finished is put in
@@ -359,7 +368,7 @@ def _end_step(
     try:
         keeper.collect(step)  # a background save that finished
         if parts is not None:
-            keeper.save(step, tokens_seen=tokens_seen, parts=parts)
+            keeper.save(step, ledger=ledger, parts=parts)
         if step < last:
             return _order(reporter.check(step), keeper.pause_ordered, stop_requested())
     except StopOrdered:

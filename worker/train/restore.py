@@ -47,6 +47,9 @@ class Restored:
     shards: ShardWriter | None  # this rank's part of sharded checkpoints; None: not sharded
     start: int  # the last global step done: the loop makes start+1 .. the phase's last
     tokens_seen: int
+    # Target tokens trained per source so far in this phase (worker.train.ledger); None when
+    # the checkpoint continued was written before they were counted.
+    target_tokens: dict[str, int] | None
     # The checkpoint loaded (None: none, the initial weights), as the phase's outcome names it.
     resumed_from: CheckpointRef | None
     # Whether it is one of this phase (optimizer state and RNG continue from it), and whether
@@ -138,6 +141,7 @@ def restore_phase(
         shards=shards,
         start=inside.state.step if inside is not None else offsets[phase_index],
         tokens_seen=resumed.state.tokens_seen if resumed is not None else 0,
+        target_tokens=inside.state.source_target_tokens if inside is not None else {},
         resumed_from=resumed_from,
         inside=inside is not None,
         optimizer_loaded=inside is not None or carried is not None,

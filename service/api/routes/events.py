@@ -7,7 +7,8 @@ Each event has a name and one JSON object as its `data:`:
 - `metrics`: new training metric points as columns, the shape `GET /runs/{id}/metrics` answers:
   `{"series": {"loss": {"steps": [...], "values": [...]}, ...}}`.
 - `evals`: new evaluation results, `{"points": [{"name", "task", "step", "phase",
-  "cross_entropy", "perplexity", "records", "target_tokens", "oversized_records"}, ...]}`,
+  "cross_entropy", "perplexity", "records", "target_tokens", "oversized_records",
+  "skipped_records"}, ...]}`,
   one per eval set (`name`, default its task) and step.
 - `rewind`: `{"step", "attempt"}`: an attempt resumed from `step`, and the service dropped the
   run's metric points and evaluations after it (they come again as that attempt reports them).

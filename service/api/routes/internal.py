@@ -194,8 +194,9 @@ def checkpoints(
     settings: SettingsDep,
     token: WorkerDep,
 ) -> CheckpointRegistered:
-    """Register a complete checkpoint; the answer lists the run's pinned steps (checkpoints an
-    run still needs as its initial weights), which the worker's retention keeps."""
+    """Register a complete checkpoint; the answer lists the run's pinned steps (checkpoints a
+    run still needs as its initial weights, and the best of each set `checkpoint.keep_best`
+    names), which the worker's retention keeps."""
     checkpoint = register_checkpoint(
         session=session,
         attempt_id=attempt_id,

@@ -29,12 +29,13 @@ from service.api.deps import (
     SettingsDep,
     require_api,
 )
-from service.checkpoints.registry import CheckpointFilter, list_checkpoints
+from service.checkpoints.registry import CheckpointFilter, best_checkpoints, list_checkpoints
 from service.lifecycle import RunStatus
 from service.models import MAX_TAG, Run
 from service.reads.compare import compare_runs
-from service.reads.evaluation import eval_summary
+from service.reads.evaluation import eval_by_phase, eval_summary
 from service.reads.export import evals_csv, metrics_csv
+from service.reads.ledger import token_ledger
 from service.reads.series import metric_series_json
 from service.runs.control import cancel_run, pause_run
 from service.runs.resume import resume_run
@@ -45,6 +46,8 @@ from service.schemas import (
     MAX_RUNS_PAGE,
     CheckpointPublic,
     CheckpointsPublic,
+    EvalByPhase,
+    LedgerPublic,
     RunComparison,
     RunCreate,
     RunPublic,
@@ -304,12 +307,24 @@ def read_metrics(
 def read_eval(
     run: RunDep, session: SessionDep, max_points: MaxPoints = None, format: Format = "json"
 ) -> Response:
-    """Per task: baseline (step 0), latest, best (lowest cross-entropy) and history.
-    `format=csv`: `run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,
-    oversized_records`, a row per eval set and step (every one; `max_points` is for JSON)."""
+    """Per eval set: baseline (step 0), latest, best (lowest cross-entropy), history, and the
+    first records it skipped (`skipped_examples`). `format=csv`: `run_id,name,task,step,phase,
+    cross_entropy,perplexity,records,target_tokens,oversized_records,skipped_malformed_json,
+    skipped_wrong_shape,skipped_no_target`, a row per eval set and step (every one;
+    `max_points` is for JSON)."""
     if format == "csv":
         return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
     return JSONResponse(eval_summary(session=session, run_id=run.id, max_points=max_points))
+
+
+@router.get("/{run_id}/eval/phases")
+def read_eval_by_phase(run: RunDep, session: SessionDep) -> EvalByPhase:
+    """Forgetting, phase by phase: a row per phase (in order) and in it a cell per eval set
+    (in `sets`' order): the set's evaluation at the phase's end (`complete` false while the
+    phase trains: the latest so far), at its start (the previous phase's end, or the
+    baseline) and the change of perplexity between them in percent. At most two evaluations
+    per phase and set are read."""
+    return eval_by_phase(session=session, run=run)
 
 
 @router.get("/{run_id}/checkpoints")
@@ -324,9 +339,20 @@ def read_checkpoints(
         ),
     ] = "usable",
 ) -> CheckpointsPublic:
-    """The run's checkpoints, oldest first: by default only usable ones."""
+    """The run's checkpoints, oldest first: by default only usable ones; and each eval set's
+    best checkpoint (`best`: what `checkpoint.keep_best` keeps), saying when a set's best
+    evaluation lies at a step without one."""
     checkpoints = list_checkpoints(session=session, run_id=run.id, status=status)
     return CheckpointsPublic(
         checkpoints=[CheckpointPublic.model_validate(c) for c in checkpoints],
         count=len(checkpoints),
+        best=best_checkpoints(session=session, run_id=run.id),
     )
+
+
+@router.get("/{run_id}/ledger")
+def read_ledger(run: RunDep, session: SessionDep) -> LedgerPublic:
+    """The token ledger: per phase and data source, the tokens planned against those trained
+    so far (envelope tokens, target tokens, epochs of the source), and the realised replay
+    share against the plan's. One index seek per count (service.reads.ledger)."""
+    return token_ledger(session=session, run=run)

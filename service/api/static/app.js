@@ -24,6 +24,8 @@ import {
   setEvalData,
   setLossData,
   setLrData,
+  setSourceLossData,
+  sourceLossChart,
 } from "./charts.js";
 
 const METRICS = ["loss", "lr", "lr_muon"];
@@ -36,6 +38,10 @@ const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const COMPARE_POINTS = 1000;
 const COMPARE_REFRESH_MS = 3000;
 const COMPARE_METRICS = ["loss", "lr"];
+// Why an eval set skips a record, in words, and the share of its records past which a set is
+// marked: contracts/reports.py's SKIP_REASONS and SKIPPED_MARK_SHARE.
+const SKIP_REASONS = { malformed_json: "malformed JSON", wrong_shape: "wrong shape", no_target: "no target tokens" };
+const SKIPPED_MARK_SHARE = 0.02;
 
 // The runs table's filters and the runs ticked for a comparison (in the order ticked: the
 // first is the reference), kept while the page lives.
@@ -181,6 +187,7 @@ function stopPage() {
   } else if (page.plots) {
     destroyPlot(page.plots.loss);
     destroyPlot(page.plots.lr);
+    destroyPlot(page.plots.sources);
     for (const plot of Object.values(page.plots.evals)) destroyPlot(plot);
   }
   page = null;
@@ -490,20 +497,26 @@ async function openRun(runId) {
     live: "connecting",
     events: 0,
     redrawQueued: false,
+    sources: [],
+    phases: null,
   };
   page = current;
   window.trainctl.page = current;
   setLive("connecting");
   const { signal } = current.abort;
   try {
-    const [run, metrics, evals, checkpoints] = await Promise.all([
+    const [run, metrics, evals, checkpoints, phases] = await Promise.all([
       getJson(`/runs/${encodeURIComponent(runId)}`, {}, { signal }),
       getJson(`/runs/${encodeURIComponent(runId)}/metrics`, { names: METRICS.join(","), max_points: MAX_POINTS }, { signal }),
       getJson(`/runs/${encodeURIComponent(runId)}/eval`, { max_points: MAX_POINTS }, { signal }),
       getJson(`/runs/${encodeURIComponent(runId)}/checkpoints`, {}, { signal }),
+      getJson(`/runs/${encodeURIComponent(runId)}/eval/phases`, {}, { signal }),
     ]);
     if (page !== current) return;
     current.run = run;
+    current.phases = phases;
+    await loadSourceLoss(current);
+    if (page !== current) return;
     for (const name of METRICS) {
       if (metrics[name]) mergeSeries(current.metrics[name], metrics[name].steps, metrics[name].values);
     }
@@ -511,10 +524,13 @@ async function openRun(runId) {
     for (const [name, summary] of Object.entries(evals.tasks)) {
       current.evals[name] = { task: summary.task, baseline: summary.baseline, best: summary.best, history: [...summary.history] };
     }
+    current.skippedExamples = skippedExamplesOf(evals);
     const boundaries = () => (current.run ? phaseBoundaries(current.run) : []);
+    $("#source-loss-card").hidden = current.sources.length === 0;
     current.plots = {
       loss: lossChart($("#loss-chart"), boundaries),
       lr: lrChart($("#lr-chart"), boundaries),
+      sources: current.sources.length ? sourceLossChart($("#source-loss-chart"), current.sources, boundaries) : null,
       evals: {},
       boundaries,
     };
@@ -523,6 +539,8 @@ async function openRun(runId) {
     renderCheckpoints(checkpoints);
     current.checkpointStep = run.latest_checkpoint ? run.latest_checkpoint.step : null;
     redraw(current);
+    renderPhaseMatrix(current);
+    refreshLedger(current);
   } catch (err) {
     if (page === current) handleError(err);
     return;
@@ -562,6 +580,7 @@ function follow(current) {
           current.checkpointStep = step;
           refreshCheckpoints(current);
         }
+        queueLedger(current);
         queueRedraw(current);
       },
       metrics: ({ series }) => {
@@ -576,6 +595,7 @@ function follow(current) {
         current.events += 1;
         for (const point of points) addEval(current, point);
         queueRedraw(current);
+        schedulePhaseMatrix(current);
       },
       rewind: ({ step }) => {
         current.events += 1;
@@ -585,6 +605,7 @@ function follow(current) {
           set.best = bestOf(set.history);
         }
         queueRedraw(current);
+        schedulePhaseMatrix(current);
       },
       end: () => {
         current.events += 1;
@@ -604,7 +625,7 @@ function cursor(current) {
     .map((set) => (set.history.length ? set.history[set.history.length - 1].step : null))
     .filter((s) => s !== null);
   return {
-    names: METRICS.join(","),
+    names: [...METRICS, ...current.sources.flatMap((s) => s.metrics)].join(","),
     metrics_after: metricSteps.length ? Math.min(...metricSteps) : -1,
     evals_after: evalSteps.length ? Math.min(...evalSteps) : -1,
   };
@@ -721,6 +742,7 @@ function renderRun(current) {
     ["Preemptions", `${run.preemptions} / ${run.max_preemptions}`],
     ["Recovery", `${run.recovery_seconds.toFixed(1)} s`],
     ["Latest checkpoint", latest],
+    ...initialCheckpointFacts(run),
     ["Created", `${when(run.created_at)} (${ago(run.created_at)} ago)`],
     ["Finished", when(run.finished_at)],
     ["Signature", run.signature.slice(0, 16)],
@@ -752,7 +774,8 @@ function renderAttempts(attempts, phases) {
   );
 }
 
-function renderCheckpoints({ checkpoints }) {
+function renderCheckpoints({ checkpoints, best = [] }) {
+  renderBestCheckpoints(best);
   const phases = page && page.run ? page.run.plan.phases : [];
   $("#checkpoints-table tbody").replaceChildren(
     ...[...checkpoints]
@@ -773,6 +796,107 @@ function renderCheckpoints({ checkpoints }) {
   $("#checkpoints-empty").hidden = checkpoints.length !== 0;
 }
 
+// --- the token ledger and best checkpoints -------------------------------------------------
+
+// The ledger is read again at most this often while the run's events come in.
+const LEDGER_REFRESH_MS = 3000;
+
+function initialCheckpointFacts(run) {
+  const from = run.initial_checkpoint_from;
+  if (from) {
+    const best = from.best ? ` (best of ${from.best})` : "";
+    return [["Initial checkpoint", `run ${from.run}, step ${from.step}${best}`]];
+  }
+  return run.initial_checkpoint ? [["Initial checkpoint", run.initial_checkpoint]] : [];
+}
+
+function renderBestCheckpoints(best) {
+  const list = $("#best-checkpoints");
+  list.replaceChildren(
+    ...best.map((b) =>
+      el(
+        "li",
+        { dataset: { set: b.name, step: b.step === null ? "" : b.step }, title: b.note || "" },
+        el("strong", {}, b.name),
+        b.step === null ? ": no checkpoint of a step it was evaluated at" : `: step ${b.step}`,
+        b.kept ? el("span", { class: "tag" }, "kept") : "",
+        b.note ? el("span", { class: "muted" }, ` best evaluation at step ${b.best_eval_step}, which has no checkpoint`) : "",
+      ),
+    ),
+  );
+  $("#best-checkpoints-card").hidden = best.length === 0;
+}
+
+async function refreshLedger(current) {
+  current.ledgerQueued = false;
+  try {
+    const ledger = await getJson(`/runs/${encodeURIComponent(current.runId)}/ledger`, {}, { signal: current.abort.signal });
+    if (page === current) renderLedger(ledger);
+  } catch (err) {
+    if (page === current) handleError(err);
+  }
+}
+
+function queueLedger(current) {
+  if (current.ledgerQueued) return;
+  current.ledgerQueued = true;
+  const timer = setTimeout(() => {
+    current.timers = current.timers.filter((t) => t !== timer);
+    if (page === current) refreshLedger(current);
+  }, LEDGER_REFRESH_MS);
+  current.timers.push(timer); // cleared with the page
+}
+
+function tokenCount(value) {
+  return value === null ? "–" : value.toLocaleString("en-US");
+}
+
+function share(value) {
+  return value === null ? "–" : `${(100 * value).toFixed(1)}%`;
+}
+
+function renderLedger(ledger) {
+  const rows = [];
+  for (const phase of ledger.phases) {
+    const replay = phase.planned_replay_share || phase.replay_share;
+    rows.push(
+      el(
+        "tr",
+        { class: "ledger-phase", dataset: { phase: phase.name } },
+        el("td", {}, phase.name, phase.role === "replay" ? el("span", { class: "muted" }, " (replay)") : ""),
+        el("td", { class: "num" }, tokenCount(phase.planned_tokens)),
+        el("td", { class: "num" }, tokenCount(phase.trained_tokens)),
+        el("td", { class: "num", title: "share of the phase's tokens that is replay" }, replay ? share(phase.replay_share) : ""),
+        el("td", { class: "num" }, replay ? share(phase.planned_replay_share) : ""),
+        el("td", { class: "num" }, ""),
+        el("td", { class: "num" }, ""),
+      ),
+    );
+    for (const source of phase.sources) {
+      rows.push(
+        el(
+          "tr",
+          { class: "ledger-source", dataset: { phase: phase.name, source: source.name } },
+          el("td", {}, source.name, source.replay ? el("span", { class: "tag" }, "replay") : ""),
+          el("td", { class: "num" }, tokenCount(source.planned_tokens)),
+          el("td", { class: "num" }, tokenCount(source.trained_tokens)),
+          el("td", { class: "num" }, share(source.trained_share)),
+          el("td", { class: "num" }, share(source.planned_share)),
+          el("td", { class: "num" }, tokenCount(source.target_tokens)),
+          el("td", { class: "num" }, source.epochs === null ? "–" : source.epochs.toFixed(2)),
+        ),
+      );
+    }
+  }
+  $("#ledger-table tbody").replaceChildren(...rows);
+  $("#ledger-summary").textContent =
+    ledger.trained_tokens === null
+      ? "Replay: not counted for every phase begun (a worker from before the ledger)."
+      : `Replay: ${tokenCount(ledger.replay_tokens)} of ${tokenCount(ledger.trained_tokens)} tokens trained, ` +
+        `${share(ledger.replay_share)} (plan ${share(ledger.planned_replay_share)}); ` +
+        `of post-training tokens ${share(ledger.post_training_replay_share)} (plan ${share(ledger.planned_post_training_replay_share)}).`;
+}
+
 function queueRedraw(current) {
   if (current.redrawQueued) return;
   current.redrawQueued = true;
@@ -786,6 +910,7 @@ function redraw(current) {
   const { plots, metrics } = current;
   setLossData(plots.loss, metrics.loss);
   setLrData(plots.lr, metrics.lr, metrics.lr_muon);
+  renderSourceLoss(current);
   renderEvals(current);
 }
 
@@ -820,6 +945,8 @@ function renderEvals(current) {
         changeBadge("td", percent, "num"),
         el("td", { class: "num" }, entry.best ? `${formatNumber(entry.best.perplexity)} @ ${entry.best.step}` : "–"),
         el("td", { class: "num" }, latest ? latest.step : "–"),
+        el("td", { class: "num scored" }, latest ? latest.records.toLocaleString() : "–"),
+        skippedCell(latest),
       ),
     );
     let plot = current.plots.evals[name];
@@ -851,6 +978,240 @@ function renderEvals(current) {
   $("#eval-table tbody").replaceChildren(...rows);
   $("#eval-table").hidden = names.length === 0;
   $("#eval-empty").hidden = names.length !== 0;
+  renderSkipped(current);
+}
+
+// --- what an eval set skipped: counted by reason on every point, the first records per set ------
+
+function skippedExamplesOf(answer) {
+  return Object.fromEntries(Object.entries(answer.tasks).map(([name, summary]) => [name, summary.skipped_examples || []]));
+}
+
+// Records an evaluation skipped: too long, and the others by reason (none from older services).
+function skippedOf(point) {
+  const reasons = point.skipped_records || {};
+  const count = point.oversized_records + Object.values(reasons).reduce((a, b) => a + b, 0);
+  const share = count ? count / (point.records + count) : 0;
+  const why = [
+    ...(point.oversized_records ? [`${point.oversized_records.toLocaleString()} too long`] : []),
+    ...Object.entries(reasons)
+      .filter(([, n]) => n > 0)
+      .map(([reason, n]) => `${n.toLocaleString()} ${SKIP_REASONS[reason] || reason}`),
+  ];
+  return { count, share, why: why.join(", "), marked: share > SKIPPED_MARK_SHARE };
+}
+
+function skippedCell(latest) {
+  if (!latest) return el("td", { class: "num skipped" }, "–");
+  const { count, share, why, marked } = skippedOf(latest);
+  const title = count ? `${why} (${(100 * share).toFixed(1)}% of the set's records)` : "none skipped";
+  return el(
+    "td",
+    { class: `num skipped${marked ? " skipped-many" : ""}`, title },
+    count.toLocaleString(),
+    marked ? el("span", { class: "skipped-mark", title: `more than ${100 * SKIPPED_MARK_SHARE}% skipped` }, " !") : null,
+  );
+}
+
+// Below the eval table, per set that skipped records: how many, why, and the first ones. The
+// examples come with GET /eval; a set whose first skips arrive live has them read once.
+function renderSkipped(current) {
+  const items = [];
+  const missing = [];
+  current.skippedExamples ||= {};
+  current.skippedAsked ||= new Set();
+  for (const name of Object.keys(current.evals).sort()) {
+    const history = current.evals[name].history;
+    const latest = history.length ? history[history.length - 1] : null;
+    if (!latest) continue;
+    const { count, share, why, marked } = skippedOf(latest);
+    if (!count) continue;
+    const examples = current.skippedExamples[name];
+    if (!(examples && examples.length) && !current.skippedAsked.has(name)) missing.push(name);
+    items.push(
+      el(
+        "li",
+        { class: marked ? "skipped-many" : "", dataset: { set: name } },
+        el("strong", {}, name),
+        ` skipped ${count.toLocaleString()} of ${(latest.records + count).toLocaleString()} records (${(100 * share).toFixed(1)}%): ${why}`,
+        marked ? el("span", { class: "skipped-mark" }, " !") : null,
+        examples && examples.length ? el("ul", {}, ...examples.map((example) => el("li", {}, el("code", {}, example)))) : null,
+      ),
+    );
+  }
+  $("#eval-skipped").replaceChildren(...items);
+  $("#eval-skipped").hidden = items.length === 0;
+  if (missing.length) readSkippedExamples(current, missing);
+}
+
+async function readSkippedExamples(current, names) {
+  for (const name of names) current.skippedAsked.add(name);
+  try {
+    const answer = await getJson(`/runs/${encodeURIComponent(current.runId)}/eval`, { max_points: 1 }, { signal: current.abort.signal });
+    if (page !== current) return;
+    const read = skippedExamplesOf(answer);
+    for (const name of names) current.skippedExamples[name] = read[name] || [];
+    queueRedraw(current);
+  } catch (err) {
+    if (page === current) handleError(err);
+  }
+}
+
+// --- training loss by data source ------------------------------------------------------------------
+
+// The most series one stream or read may name (service.reads.series.MAX_SERIES_PER_READ).
+const MAX_SERIES = 64;
+
+// The run's data sources by name, each with the phases it is trained in: a mixture phase reports
+// `loss/<name>` per source (worker.train.loop), a one-source phase only `loss`, which is then
+// its source's. [] when a line per source would only repeat the loss chart (every phase has
+// one source of its own).
+function sourceLines(plan) {
+  const byName = new Map();
+  for (const phase of plan.phases) {
+    for (const source of phase.sources || []) {
+      if (!byName.has(source.name)) byName.set(source.name, { name: source.name, mixed: [], alone: [] });
+      const line = byName.get(source.name);
+      (phase.sources.length > 1 ? line.mixed : line.alone).push(phase);
+    }
+  }
+  const lines = [...byName.values()];
+  const informative = lines.some((line) => line.mixed.length > 0 || line.alone.length > 1);
+  if (!informative) return [];
+  return lines.slice(0, MAX_SERIES - METRICS.length).map((line, i) => ({
+    ...line,
+    color: runColor(i),
+    metrics: line.mixed.length ? [`loss/${line.name}`] : [],
+  }));
+}
+
+async function loadSourceLoss(current) {
+  current.sources = sourceLines(current.run.plan);
+  const names = current.sources.flatMap((s) => s.metrics);
+  for (const name of names) current.metrics[name] = emptySeries();
+  if (!names.length) return;
+  const read = await getJson(
+    `/runs/${encodeURIComponent(current.runId)}/metrics`,
+    { names: names.join(","), max_points: MAX_POINTS },
+    { signal: current.abort.signal },
+  );
+  for (const name of names) {
+    if (read[name]) mergeSeries(current.metrics[name], read[name].steps, read[name].values);
+  }
+}
+
+// One source's points: its `loss/<name>` in mixture phases and the loss of the phases it alone
+// is trained in.
+function sourceSeries(current, line) {
+  const points = [];
+  const mixed = current.metrics[`loss/${line.name}`] || emptySeries();
+  mixed.steps.forEach((step, i) => points.push([step, mixed.values[i]]));
+  const loss = current.metrics.loss;
+  for (const phase of line.alone) {
+    loss.steps.forEach((step, i) => {
+      if (step >= phase.first_step && step <= phase.last_step) points.push([step, loss.values[i]]);
+    });
+  }
+  points.sort((a, b) => a[0] - b[0]);
+  return { steps: points.map((p) => p[0]), values: points.map((p) => p[1]) };
+}
+
+function renderSourceLoss(current) {
+  if (!current.plots.sources) return;
+  setSourceLossData(current.plots.sources, current.sources.map((line) => sourceSeries(current, line)));
+}
+
+// --- forgetting, phase by phase (GET /runs/{id}/eval/phases) ---------------------------------------
+
+// Read the matrix again shortly after new evaluations arrive (once for a burst of them).
+function schedulePhaseMatrix(current) {
+  if (current.phasesTimer) return;
+  current.phasesTimer = setTimeout(async () => {
+    current.phasesTimer = null;
+    try {
+      const phases = await getJson(
+        `/runs/${encodeURIComponent(current.runId)}/eval/phases`,
+        {},
+        { signal: current.abort.signal },
+      );
+      if (page !== current) return;
+      current.phases = phases;
+      renderPhaseMatrix(current);
+    } catch (err) {
+      if (page === current) handleError(err);
+    }
+  }, 500);
+  current.timers.push(current.phasesTimer);
+}
+
+// Green when the perplexity fell over the phase, red when it rose, stronger the larger the
+// change (full at a factor of 4 either way).
+function changeColor(change) {
+  const ratio = Math.abs(Math.log(1 + change / 100));
+  const alpha = 0.08 + 0.5 * Math.min(1, ratio / Math.log(4));
+  return change < 0 ? `rgba(15, 123, 95, ${alpha.toFixed(3)})` : `rgba(180, 35, 24, ${alpha.toFixed(3)})`;
+}
+
+function phaseCell(cell, set) {
+  if (!cell.end || cell.end.perplexity === null) {
+    return el("td", { class: "num muted", dataset: { set: set.name } }, "–");
+  }
+  const start = cell.start ? `${formatNumber(cell.start.perplexity)} at step ${cell.start.step}` : "none";
+  const title =
+    `${set.name}: ${formatNumber(cell.end.perplexity)} at step ${cell.end.step}, from ${start}` +
+    (cell.complete ? "" : " (the phase has not evaluated its last step yet)");
+  const td = el(
+    "td",
+    { class: "num phase-cell", title, dataset: { set: set.name, complete: String(cell.complete) } },
+    el("span", { class: "value" }, formatNumber(cell.end.perplexity)),
+    cell.complete ? null : el("span", { class: "so-far" }, "*"),
+  );
+  if (cell.change !== null) {
+    const sign = cell.change > 0 ? "+" : cell.change < 0 ? "−" : "±";
+    const size = Math.abs(cell.change);
+    td.append(el("span", { class: "delta" }, `${sign}${size < 10 ? size.toFixed(1) : size.toFixed(0)}%`));
+    td.dataset.change = cell.change > 0 ? "worse" : cell.change < 0 ? "better" : "same";
+    if (cell.change !== 0) td.style.backgroundColor = changeColor(cell.change);
+  }
+  return td;
+}
+
+function renderPhaseMatrix(current) {
+  const answer = current.phases;
+  const card = $("#phase-card");
+  card.hidden = !answer || answer.sets.length === 0;
+  if (card.hidden) return;
+  const { sets, phases } = answer;
+  $("#phase-matrix thead").replaceChildren(
+    el(
+      "tr",
+      {},
+      el("th", {}, "Phase"),
+      el("th", { class: "num" }, "Steps"),
+      ...sets.map((set) => el("th", { class: "num", title: set.task }, set.name)),
+    ),
+  );
+  const baseline = el(
+    "tr",
+    { class: "baseline-row", dataset: { phase: "" } },
+    el("td", {}, "Baseline"),
+    el("td", { class: "num" }, "0"),
+    ...sets.map((set) =>
+      el("td", { class: "num", dataset: { set: set.name } }, set.baseline ? formatNumber(set.baseline.perplexity) : "–"),
+    ),
+  );
+  $("#phase-matrix tbody").replaceChildren(
+    baseline,
+    ...phases.map((phase) =>
+      el(
+        "tr",
+        { dataset: { phase: phase.name } },
+        el("td", {}, phase.name, phase.role === "replay" ? el("span", { class: "tag replay-tag" }, "replay") : null),
+        el("td", { class: "num muted" }, `${phase.first_step}–${phase.last_step}`),
+        ...phase.sets.map((cell, i) => phaseCell(cell, sets[i])),
+      ),
+    ),
+  );
 }
 
 // --- a run's name, tags and note: shown on its page, editable by tokens that write ---------------
@@ -1069,25 +1430,67 @@ function shown(value) {
   return typeof value === "string" ? value : JSON.stringify(value);
 }
 
+// A group of more fields than this is folded (a <details> closed until clicked).
+const FOLD_AFTER = 5;
+
 function renderInputs(comparison) {
   const { inputs, runs } = comparison;
   const identical = $("#compare-identical");
-  const table = $("#compare-inputs");
+  const container = $("#compare-inputs");
+  const summary = $("#compare-summary");
   identical.hidden = !inputs.identical;
   identical.textContent = inputs.identical ? `Identical inputs: ${inputs.summary.replace(/^identical inputs: /, "")}.` : "";
-  table.hidden = inputs.identical;
-  if (inputs.identical) return;
-  table.querySelector("thead").replaceChildren(
-    el("tr", {}, el("th", {}, "Field"), ...runs.map((run, i) => el("th", {}, swatch(i), run.name))),
+  container.hidden = inputs.identical;
+  summary.hidden = inputs.identical;
+  summary.textContent = inputs.identical ? "" : inputs.summary;
+  if (inputs.identical) {
+    container.replaceChildren();
+    return;
+  }
+  // An answer from a service without groups: one group of every difference.
+  const groups = inputs.groups && inputs.groups.length
+    ? inputs.groups
+    : [{ name: "other", title: "inputs", count: inputs.differences.length, summary: `${inputs.differences.length} fields` }];
+  // Keep what the user opened or closed across refreshes.
+  const wasOpen = Object.fromEntries([...container.querySelectorAll("details")].map((d) => [d.dataset.group, d.open]));
+  container.replaceChildren(
+    ...groups.map((group) => {
+      const members = inputs.differences.filter((d) => (d.group || "other") === group.name);
+      const details = el(
+        "details",
+        { class: "input-group", dataset: { group: group.name, count: members.length } },
+        el("summary", {}, el("strong", {}, group.title), " ", el("span", { class: "muted" }, group.summary)),
+        inputsTable(members, runs),
+      );
+      details.open = group.name in wasOpen ? wasOpen[group.name] : members.length <= FOLD_AFTER;
+      return details;
+    }),
   );
-  table.querySelector("tbody").replaceChildren(
-    ...inputs.differences.map((d) =>
-      el(
-        "tr",
-        { dataset: { field: d.field } },
-        el("td", { class: "mono" }, d.field),
-        ...d.values.map((value, i) =>
-          el("td", { class: `mono value${i > 0 && shown(value) !== shown(d.values[0]) ? " differs" : ""}`, dataset: { run: runs[i].id } }, shown(value)),
+}
+
+function inputsTable(differences, runs) {
+  return el(
+    "table",
+    { class: "table compact" },
+    el("thead", {}, el("tr", {}, el("th", {}, "Field"), ...runs.map((run, i) => el("th", {}, swatch(i), run.name)))),
+    el(
+      "tbody",
+      {},
+      ...differences.map((d) =>
+        el(
+          "tr",
+          { dataset: { field: d.field } },
+          el("td", { class: "mono" }, d.field),
+          ...d.values.map((value, i) => {
+            const change = (d.changes || [])[i];
+            const data = change ? { run: runs[i].id, change } : { run: runs[i].id };
+            return el(
+              "td",
+              { class: `mono value${change ? " differs" : ""}`, dataset: data },
+              el("span", { class: "shown" }, shown(value)),
+              change ? el("span", { class: `change-tag change-${change}` }, change) : null,
+            );
+          }),
         ),
       ),
     ),
@@ -1155,10 +1558,11 @@ function renderCompareEvals(current) {
       $("#compare-eval-charts").append(el("figure", { class: "card chart-card", dataset: { set: set.name } }, caption, holder));
       plot = compareChart(holder, {
         runs: runs.map((run, i) => ({ name: run.name, color: runColor(i) })),
-        yLabel: "perplexity",
+        yLabel: "perplexity (log)",
         getBoundaries: plots.boundaries,
         points: true,
         title: set.name,
+        log: true,
       });
       plots.evals[set.name] = plot;
     }

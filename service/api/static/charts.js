@@ -82,6 +82,20 @@ function xAxis() {
   return { label: "step", labelSize: 18, size: 36 };
 }
 
+// Perplexity spans orders of magnitude (an untrained model's ~500, a trained one's 2-10): on a
+// linear axis the trained values are one flat line at the bottom. A log axis shows both.
+const LOG_SCALE = { distr: 3, log: 10 };
+
+function logAxis(label) {
+  return {
+    label,
+    labelSize: 18,
+    size: 56,
+    // uPlot hides the labels of crowded log ticks by handing them over as null.
+    values: (u, ticks) => ticks.map((t) => (t === null || t === undefined ? "" : formatNumber(t, 3))),
+  };
+}
+
 function makePlot(element, options, data) {
   const plot = new uPlot({ width: widthOf(element), height: HEIGHT, ...options }, data, element);
   const observer = new ResizeObserver(() => {
@@ -173,8 +187,8 @@ export function evalChart(element, task, getBoundaries) {
     {
       title: task,
       plugins: [phaseBoundaries(getBoundaries)],
-      scales: { x: { time: false } },
-      axes: [xAxis(), { label: "perplexity", labelSize: 18, size: 56 }],
+      scales: { x: { time: false }, y: LOG_SCALE },
+      axes: [xAxis(), logAxis("perplexity (log)")],
       series: [
         { label: "step" },
         { label: "perplexity", stroke: COLORS.eval, width: 1.5, points: { show: true, size: 5 }, value: (u, v) => formatNumber(v) },
@@ -195,6 +209,37 @@ export function setEvalData(plot, history, baseline, until) {
   }
   const reference = baseline && Number.isFinite(baseline.perplexity) ? baseline.perplexity : null;
   plot.setData([steps, perplexity, steps.map(() => reference)]);
+}
+
+// --- training loss by data source --------------------------------------------------------------
+
+// `sources`: [{name, color}], a line each: the source's loss (`loss/<name>` in a mixture, the
+// phase's loss where it is the phase's only source), with the phase boundaries. Replay text
+// against supervised data, step by step.
+export function sourceLossChart(element, sources, getBoundaries) {
+  return makePlot(
+    element,
+    {
+      plugins: [phaseBoundaries(getBoundaries)],
+      scales: { x: { time: false } },
+      axes: [xAxis(), { label: "loss", labelSize: 18, size: 56 }],
+      series: [
+        { label: "step" },
+        ...sources.map((source) => ({
+          label: source.name,
+          stroke: source.color,
+          width: 1.5,
+          value: (u, v) => formatNumber(v),
+        })),
+      ],
+    },
+    [[], ...sources.map(() => [])],
+  );
+}
+
+// `series`: [{steps, values}] per source, in the chart's order.
+export function setSourceLossData(plot, series) {
+  plot.setData(align(series));
 }
 
 // --- comparison charts: one line per run ------------------------------------------------------
@@ -257,16 +302,19 @@ function runBoundaries(getBoundaries) {
 }
 
 // `runs`: [{name, color}], one line each, in order. `points`: dots at each value (evaluations).
-export function compareChart(element, { runs, yLabel, getBoundaries, points = false, title }) {
+// `log`: a log y axis (perplexity).
+export function compareChart(element, { runs, yLabel, getBoundaries, points = false, title, log = false }) {
   return makePlot(
     element,
     {
       title,
       plugins: [runBoundaries(getBoundaries)],
-      scales: { x: { time: false } },
+      scales: log ? { x: { time: false }, y: LOG_SCALE } : { x: { time: false } },
       axes: [
         xAxis(),
-        { label: yLabel, labelSize: 18, size: 64, values: (u, ticks) => ticks.map((t) => formatNumber(t, 3)) },
+        log
+          ? { ...logAxis(yLabel), size: 64 }
+          : { label: yLabel, labelSize: 18, size: 64, values: (u, ticks) => ticks.map((t) => formatNumber(t, 3)) },
       ],
       series: [
         { label: "step" },

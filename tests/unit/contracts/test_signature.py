@@ -205,3 +205,20 @@ def test_resources_are_never_signed_and_stay_in_the_stored_form() -> None:
     assert "resources" not in workflow().normalized()
     assert [on_two.phase_devices(i) for i in (0, 1)] == [2, 2]
     assert [phase_on_four.phase_devices(i) for i in (0, 1)] == [1, 4]
+
+
+def test_keep_best_is_signed_only_when_it_names_a_set() -> None:
+    evals = [{"name": "qa", "task": "qa_reasoning", "data": "/d/b.jsonl"}]
+    checkpoint = {"every_steps": 5, "keep_last": 2}
+
+    def signed(**extra: Any) -> Any:
+        doc = {**DOC, "evals": evals, "checkpoint": {**checkpoint, **extra}}
+        return compute_signature(workflow=Workflow.model_validate(doc), digests=DIGESTS)
+
+    base, empty, kept = signed(), signed(keep_best=[]), signed(keep_best=["qa"])
+    # Left out of the normalised form when empty: workflows from before it sign as they did.
+    assert "keep_best" not in base.components["workflow"]["checkpoint"]
+    assert empty.sha256 == base.sha256
+    assert kept.sha256 != base.sha256
+    [diff] = diff_components(base.components, kept.components)
+    assert (diff.field, diff.stored, diff.given) == ("checkpoint.keep_best[0]", None, "qa")

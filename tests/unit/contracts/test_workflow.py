@@ -557,3 +557,15 @@ def test_resource_queues_route_a_phase_only_to_workers_big_enough() -> None:
     assert served_queues("trainctl", 1) == ["trainctl"]
     assert served_queues("gpu", 3) == ["gpu", "gpu.devices-2", "gpu.devices-3"]
     assert devices_queue("gpu", 4) not in served_queues("gpu", 3)
+
+
+def test_keep_best_names_eval_sets_of_the_workflow_each_once(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path, checkpoint={"keep_best": ["summarization"]})
+    assert validate_workflow(doc).checkpoint.keep_best == ["summarization"]
+
+    doc["checkpoint"]["keep_best"] = ["summarization", "qa", "summarization"]
+    found = problems_of(doc)
+    assert list(found) == ["checkpoint.keep_best[1]", "checkpoint.keep_best[2]"]
+    assert "'qa' is not an eval set of this workflow" in found["checkpoint.keep_best[1]"]
+    assert "'summarization'" in found["checkpoint.keep_best[1]"]  # the sets it has
+    assert "named twice (also keep_best[0])" in found["checkpoint.keep_best[2]"]

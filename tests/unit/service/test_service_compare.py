@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from contracts.signature import Digests, compute_signature
 from contracts.workflow import Workflow
-from service.reads.compare import eval_table, input_differences, percent_change
+from service.reads.compare import eval_table, input_differences, input_groups, percent_change
 from service.reads.export import EVAL_COLUMNS, METRIC_COLUMNS, csv_text
 from service.schemas import RunUpdate
 
@@ -88,6 +88,34 @@ def test_a_data_file_only_one_run_reads_is_none_for_the_other() -> None:
     assert found['data["/d/b.jsonl"].sha256'] == ["b" * 64, None]
     assert found['data["/d/c.jsonl"].sha256'] == [None, "c" * 64]
     assert found["phases[1].data[0].path"] == ["/d/b.jsonl", "/d/c.jsonl"]
+
+
+def test_differences_are_grouped_data_files_by_what_happened_then_each_kind_of_field() -> None:
+    other = copy.deepcopy(DOC)
+    other["phases"][1]["data"] = [{"path": "/d/c.jsonl"}]  # b.jsonl out, c.jsonl in
+    other["phases"][1]["steps"] = 8
+    other["optimizer"] = {"adamw_lr": 1e-3}
+    other["seed"] = 7
+    other["evals"] = [{"task": "summarization", "data": "/d/b.jsonl"}]
+    digests = Digests(tokenizer="u" * 64, data={"/d/a.jsonl": "z" * 64, "/d/c.jsonl": "c" * 64})
+    found = input_differences([components(DOC), components(other, digests)])
+    groups = [(d.group, d.field, d.changes) for d in found]
+    assert [g for g, _, _ in groups] == sorted(
+        (g for g, _, _ in groups), key=["data", "phases", "optimizer", "evals", "other"].index
+    )
+    by_field = {field: (group, changes) for group, field, changes in groups}
+    assert by_field['data["/d/a.jsonl"].sha256'] == ("data", [None, "changed"])
+    assert by_field['data["/d/b.jsonl"].sha256'] == ("data", [None, "removed"])
+    assert by_field['data["/d/c.jsonl"].sha256'] == ("data", [None, "added"])
+    assert by_field["phases[1].steps"] == ("phases", [None, "changed"])
+    assert by_field["phases[1].data[0].path"][0] == "phases"
+    assert by_field["optimizer.adamw_lr"] == ("optimizer", [None, "changed"])
+    assert by_field["evals[0].task"] == ("evals", [None, "added"])
+    assert by_field["seed"][0] == by_field["tokenizer.sha256"][0] == "other"
+    summaries = {g.name: (g.title, g.summary) for g in input_groups(found)}
+    assert summaries["data"] == ("data files", "1 added, 1 removed, 1 changed")
+    assert summaries["optimizer"] == ("optimizer", "1 field")
+    assert list(summaries) == ["data", "phases", "optimizer", "evals", "other"]
 
 
 def test_percent_change_is_none_without_both_values() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,11 +14,21 @@ import torch
 from tokenizers import Tokenizer
 from transformers import PreTrainedModel
 
+from contracts.bounds import MAX_SKIPPED_EXAMPLES
 from contracts.jobs import EvaluateRequest
-from contracts.workflow import EvalSpec, perplexity
-from worker.data.batch import Batch, packed_rows, record_row, stack_rows, window_row
+from contracts.reports import skipped_share
+from contracts.workflow import EvalSpec, Phase, perplexity
+from worker.data.batch import (
+    Batch,
+    load_phase_data,
+    packed_rows,
+    record_row,
+    stack_rows,
+    window_row,
+)
 from worker.data.encode import Encoded, encode_records
 from worker.data.records import parse_record, read_records
+from worker.data.store import Stores
 from worker.data.tokenizer import special_token_ids
 from worker.error import ConfigError, DataError
 from worker.train.evaluate import evaluate_checkpoint, evaluate_task, load_eval_data
@@ -142,36 +151,6 @@ def test_eval_skips_and_counts_records_that_do_not_fit(
     assert encoded[2].report.trimmed_segments == (1,)
     assert (result.records, result.oversized_records) == (3, 3)
     assert result.target_tokens == 2 * encoded[0].target_count + encoded[2].target_count
-
-
-def test_an_eval_record_without_target_tokens_is_an_error_naming_file_and_line(
-    tmp_path: Path, tokenizer: Tokenizer, make_jsonl: Callable[..., Path]
-) -> None:
-    path = make_jsonl(tmp_path / "zero.jsonl", [MIXED[0], {"source": "cat", "target": ""}])
-    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:2: eval record of task"):
-        load_eval_data(tokenizer, spec("instruction_tuning", path), sequence_length=SEQ)
-
-
-def test_an_eval_file_of_the_wrong_kind_is_an_error(
-    tmp_path: Path, tokenizer: Tokenizer, make_jsonl: Callable[..., Path]
-) -> None:
-    supervised = make_jsonl(tmp_path / "sup.jsonl", [MIXED[0], {"text": "the cat"}])
-    with pytest.raises(DataError, match=f"^{re.escape(str(supervised))}:2: a text record"):
-        load_eval_data(tokenizer, spec("qa_reasoning", supervised), sequence_length=SEQ)
-    with pytest.raises(DataError, match=f"^{re.escape(str(supervised))}:1: a pair record"):
-        load_eval_data(tokenizer, spec("continued_pretrain", supervised), sequence_length=SEQ)
-
-
-def test_an_eval_file_with_nothing_that_fits_is_an_error(
-    tmp_path: Path,
-    tokenizer: Tokenizer,
-    make_jsonl: Callable[..., Path],
-    make_model: Callable[..., PreTrainedModel],
-) -> None:
-    path = make_jsonl(tmp_path / "long.jsonl", [{"source": "cat " * 50, "target": " dog"}])
-    data = load_eval_data(tokenizer, spec("summarization", path), sequence_length=SEQ)
-    with pytest.raises(DataError, match=r"nothing to evaluate .* \(1 records too long\)"):
-        evaluate_task(make_model(), data, batch_size=2, step=0, phase="p")
 
 
 def test_pretraining_eval_predicts_every_token_after_the_first_once(
@@ -332,3 +311,174 @@ def test_a_step_without_target_tokens_is_an_error(
     empty = Batch(input_ids=inputs, labels=torch.full((1, SEQ), -100), target_tokens=0)
     with pytest.raises(ValueError, match="without target tokens"):
         backward_step(make_model(), [empty])
+
+
+# --- records an eval set cannot score ----------------------------------------------------------
+
+SHORT = {"source": "reverse cat dog:", "target": " dog cat"}
+LONG = {"source": "the cat sat on the mat " * 10, "target": " mat"}
+
+
+def write_lines(path: Path, lines: Sequence[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_a_qa_eval_file_with_an_unterminated_json_line_is_scored_without_it(
+    tmp_path: Path,
+    tokenizer: Tokenizer,
+    make_jsonl: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
+) -> None:
+    # The issue's case: the line cut short failed the run at step 0.
+    clean = make_jsonl(tmp_path / "clean.jsonl", [*MIXED[:2], *MIXED[4:]])
+    lines = (
+        [json.dumps(r) for r in MIXED[:2]]
+        + ['{"source": "a", "target": " b']
+        + [json.dumps(r) for r in MIXED[4:]]
+    )
+    path = write_lines(tmp_path / "qa.eval.jsonl", lines)
+    model = make_model()
+    data = load_eval_data(tokenizer, spec("qa_reasoning", path), sequence_length=SEQ)
+    result = evaluate_task(model, data, batch_size=2, step=0, phase="p")
+    assert (result.records, result.oversized_records) == (4, 0)
+    assert result.skipped_records == {"malformed_json": 1}
+    assert result.skipped_examples == [
+        f"{path}:3: not valid JSON (Unterminated string starting at at column 27)"
+    ]
+    # What is scored is the file without the line.
+    without = load_eval_data(tokenizer, spec("qa_reasoning", clean), sequence_length=SEQ)
+    expected = evaluate_task(model, without, batch_size=2, step=0, phase="p")
+    assert (result.cross_entropy, result.target_tokens) == (
+        expected.cross_entropy,
+        expected.target_tokens,
+    )
+
+
+def test_every_record_an_eval_set_cannot_score_is_skipped_and_counted_by_reason(
+    tmp_path: Path, tokenizer: Tokenizer, make_model: Callable[..., PreTrainedModel]
+) -> None:
+    lines = [
+        json.dumps(SHORT),
+        "{oops",  # 2: not JSON
+        json.dumps({"source": "cat"}),  # 3: a pair without its target
+        json.dumps({"id": 7, "body": "x"}),  # 4: no record's shape
+        json.dumps({"text": "the cat sat"}),  # 5: text, where a qa set reads supervised records
+        json.dumps({"source": "cat", "target": ""}),  # 6: nothing to score
+        json.dumps(LONG),  # 7: too long for SEQ
+        json.dumps(MIXED[1]),
+        '["a", "b"]',  # 9: JSON, not an object
+    ]
+    path = write_lines(tmp_path / "qa.eval.jsonl", lines)
+    data = load_eval_data(tokenizer, spec("qa_reasoning", path), sequence_length=SEQ)
+    result = evaluate_task(make_model(), data, batch_size=2, step=0, phase="p")
+    assert (result.records, result.oversized_records) == (2, 1)
+    assert result.skipped_records == {"malformed_json": 1, "wrong_shape": 4, "no_target": 1}
+    assert skipped_share(result.records, result.oversized_records, result.skipped_records) == (
+        7 / 9
+    )
+    # The first few, by line, each reason's first among them.
+    expected = [
+        f"{path}:2: not valid JSON (Expecting property name enclosed in double quotes",
+        f"{path}:3: missing field 'target'",
+        f"{path}:4: unknown record with keys ['body', 'id']; expected",
+        f"{path}:6: pair record with no target tokens: nothing of it can be scored",
+        f"{path}:7: encodes to 126 tokens (prompt 122 + target and EOS 4), more than "
+        "sequence_length + 1 = 33",
+    ]
+    assert len(result.skipped_examples) == len(expected)
+    for example, start in zip(result.skipped_examples, expected, strict=True):
+        assert example.startswith(start), (example, start)
+
+
+def test_skipped_examples_are_capped_and_keep_each_reason_s_first(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    lines = [json.dumps(SHORT)] + [json.dumps(LONG)] * 8 + ["{oops"] * 3
+    path = write_lines(tmp_path / "qa.eval.jsonl", lines)
+    data = load_eval_data(tokenizer, spec("qa_reasoning", path), sequence_length=SEQ)
+    assert (data.records, data.oversized_records, data.skipped_records) == (
+        1,
+        8,
+        {"malformed_json": 3},
+    )
+    assert len(data.skipped_examples) == MAX_SKIPPED_EXAMPLES
+    lines_named = [int(e.removeprefix(f"{path}:").split(":")[0]) for e in data.skipped_examples]
+    assert lines_named == [2, 3, 4, 5, 10]  # the first malformed line, after 8 too long
+
+
+def test_a_text_eval_set_scores_its_text_records_only(
+    tmp_path: Path,
+    tokenizer: Tokenizer,
+    make_jsonl: Callable[..., Path],
+    make_model: Callable[..., PreTrainedModel],
+) -> None:
+    texts = [{"text": f"the cat sat on the mat {w}"} for w in ("and ran", "then flew", "quickly")]
+    clean = make_jsonl(tmp_path / "clean.jsonl", texts)
+    mixed = make_jsonl(tmp_path / "mixed.jsonl", [texts[0], SHORT, texts[1], texts[2]])
+    with mixed.open("a") as f:
+        f.write("{oops\n")
+    model = make_model()
+    data = load_eval_data(tokenizer, spec("continued_pretrain", mixed), sequence_length=SEQ)
+    result = evaluate_task(model, data, batch_size=2, step=0, phase="p")
+    assert (result.records, result.oversized_records) == (3, 0)
+    assert result.skipped_records == {"malformed_json": 1, "wrong_shape": 1}
+    assert result.skipped_examples[0] == (
+        f"{mixed}:2: a pair record where continued_pretrain reads text"
+    )
+    # The pair's tokens are not in the windows: the same number as the text alone.
+    alone = load_eval_data(tokenizer, spec("continued_pretrain", clean), sequence_length=SEQ)
+    expected = evaluate_task(model, alone, batch_size=2, step=0, phase="p")
+    assert (result.cross_entropy, result.target_tokens) == (
+        expected.cross_entropy,
+        expected.target_tokens,
+    )
+
+
+@pytest.mark.parametrize(
+    ("task", "lines", "why"),
+    [
+        ("summarization", [json.dumps(LONG)], "1 too long; first: {path}:1: encodes to"),
+        ("qa_reasoning", ["{oops", "{"], "2 malformed JSON; first: {path}:1: not valid JSON"),
+        ("qa_reasoning", ["plain text, not JSON"], "1 malformed JSON; first: {path}:1: not"),
+        ("continued_pretrain", [json.dumps(SHORT)], "1 wrong shape; first: {path}:1: a pair"),
+        ("qa_reasoning", [], "it holds no records"),
+    ],
+)
+def test_a_set_with_nothing_to_score_fails_when_loaded_naming_the_file(
+    tmp_path: Path, tokenizer: Tokenizer, task: str, lines: list[str], why: str
+) -> None:
+    path = write_lines(tmp_path / "held-out.jsonl", lines)
+    with pytest.raises(DataError) as refused:
+        load_eval_data(tokenizer, spec(task, path), sequence_length=SEQ)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: nothing to evaluate in eval set {task!r}"), message
+    assert why.format(path=path) in message
+
+
+def test_training_still_refuses_a_file_whose_store_an_eval_built(
+    tmp_path: Path, tokenizer: Tokenizer, make_jsonl: Callable[..., Path]
+) -> None:
+    # One store per file, shared: the eval set's leniency is not training's.
+    path = make_jsonl(tmp_path / "qa.jsonl", [SHORT] * 3)
+    with path.open("a") as f:
+        f.write('{"source": "a"}\n{oops\n')
+    stores = Stores(tmp_path / "tokens", tokenizer)
+    data = load_eval_data(tokenizer, spec("qa_reasoning", path), sequence_length=SEQ, stores=stores)
+    assert data.skipped_records == {"wrong_shape": 1, "malformed_json": 1}
+    phase = Phase.model_validate(
+        {
+            "name": "sft",
+            "objective": "qa_reasoning",
+            "data": [{"path": str(path)}],
+            "sequence_length": SEQ,
+            "microbatch_size": 1,
+            "steps": 1,
+        }
+    )
+    with pytest.raises(DataError) as refused:
+        load_phase_data(phase, tokenizer, stores=stores)
+    assert str(refused.value) == (
+        f"{path}:4: missing field 'target' (source 'qa' of phase 'sft'; 1 more lines of it are "
+        "not records either)"
+    )

@@ -13,12 +13,13 @@ import pytest
 from tokenizers import Tokenizer
 
 from contracts.jobs import InspectionReport, InspectRequest, LengthStats, SegmentSurvival
-from contracts.workflow import InspectionGate, Phase
+from contracts.workflow import EvalSpec, InspectionGate, Phase
 from worker.data.batch import load_phase_data
 from worker.data.encode import encode_records
 from worker.data.inspect import inspect_file, summarize
 from worker.data.records import read_records
 from worker.error import DataError
+from worker.train.evaluate import load_eval_data
 
 SEQ = 32
 PASSAGE = " the cat sat on the mat"
@@ -302,10 +303,30 @@ def test_refused_and_targetless_records_always_fail_a_gate(
     ]
 
 
-def test_an_inspected_file_is_read_with_the_file_and_line_of_a_bad_record(
-    tmp_path: Path, tokenizer_path: Path
+def test_inspection_counts_what_an_eval_set_would_skip_by_reason(
+    tmp_path: Path, tokenizer_path: Path, tokenizer: Tokenizer
 ) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(MIXED[0]) + "\n{oops\n")
-    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:2: not valid JSON"):
-        inspect_file(request(path, tokenizer_path))
+    lines = [json.dumps(r) for r in MIXED] + ["{oops", '{"source": "cat"}', "[1]"]
+    path.write_text("".join(line + "\n" for line in lines))
+    report = inspect_file(request(path, tokenizer_path))
+    # As evaluation of a qa_reasoning set at SEQ skips them, and as training refuses them.
+    assert report.skipped_records == {"malformed_json": 1, "wrong_shape": 3, "no_target": 1}
+    assert report.oversized_records == 2
+    spec = EvalSpec.model_validate({"task": "qa_reasoning", "data": str(path)})
+    data = load_eval_data(tokenizer, spec, sequence_length=SEQ)
+    assert (data.records, data.oversized_records, data.skipped_records) == (
+        report.fit,
+        report.oversized_records,
+        report.skipped_records,
+    )
+    assert (report.records, report.fit) == (13, len(FITTING_LINES))
+    assert report.refused == 2 + 1 + 3  # too long, the text record, the three lines
+    assert report.formats == {"pair": 4, "segmented": 4, "chat": 1, "text": 1}
+    problems = [(p.line, p.reason) for p in report.problems if p.line > 10]
+    assert problems[:2] == [
+        (11, "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+        (12, "missing field 'target'"),
+    ]
+    assert problems[2][0] == 13 and problems[2][1].startswith("expected a JSON object")
+    assert [p.line for p in report.problems] == sorted(p.line for p in report.problems)

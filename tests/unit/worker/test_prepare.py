@@ -103,3 +103,14 @@ def test_a_missing_file_is_named_and_nothing_is_built(
     with pytest.raises(DataError, match="not a file"):
         prepare_file(request(tmp_path), stores)
     assert builds == []
+
+
+def test_a_file_with_a_line_that_is_not_a_record_is_refused_as_a_phase_refuses_it(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    path = tmp_path / "sft.jsonl"
+    path.write_text('{"source": "a", "target": " b"}\n{"source": "a", "target": " b"\n')
+    with pytest.raises(DataError) as refused:
+        prepare_file(request(path), Stores(tmp_path / "tokens", tokenizer))
+    assert str(refused.value).startswith(f"{path}:2: not valid JSON")
+    assert "1 lines of it are not records, so a phase reading it refuses it" in str(refused.value)

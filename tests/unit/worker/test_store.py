@@ -165,12 +165,45 @@ def test_a_failed_build_leaves_nothing_that_looks_complete(
 ) -> None:
     rows = [{"source": "a", "target": " b"}] * 5000  # more than one batch before the bad line
     path = make_jsonl(tmp_path / "bad.jsonl", rows)
-    with path.open("a") as f:
-        f.write("{not json\n")
+    with path.open("ab") as f:
+        f.write(b'{"source": "caf\xe9", "target": " b"}\n')  # Latin-1: the file is not UTF-8
     root = tmp_path / "tokens"
-    with pytest.raises(DataError, match=r"bad\.jsonl:5001: not valid JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl: not UTF-8 text"):
         build(path, tokenizer, root)
     assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_store_keeps_the_lines_that_are_not_records_and_only_then_is_format_2(
+    tmp_path: Path, tokenizer: Tokenizer, make_jsonl: Callable[..., Path]
+) -> None:
+    rows = [{"source": "a", "target": " b"}] * 5000  # the bad lines in the second batch
+    clean = make_jsonl(tmp_path / "clean.jsonl", rows)
+    path = make_jsonl(tmp_path / "bad.jsonl", rows)
+    with path.open("a") as f:
+        f.write("{not json\n" + '{"source": "a"}\n' * (store_module.MAX_INVALID_LINES + 1))
+    root = tmp_path / "tokens"
+    store = build(path, tokenizer, root)
+    assert len(store) == 5000  # the records; the other lines are not rows
+    assert store.invalid == {"malformed_json": 1, "wrong_shape": store_module.MAX_INVALID_LINES + 1}
+    assert len(store.invalid_lines) == store_module.MAX_INVALID_LINES
+    first, second = store.invalid_lines[:2]
+    assert first.message("any/path.jsonl") == (
+        "any/path.jsonl:5001: not valid JSON (Expecting property name enclosed in double quotes "
+        "at column 2)"
+    )
+    assert (second.line, second.reason, second.detail) == (
+        5002,
+        "wrong_shape",
+        "missing field 'target'",
+    )
+    # Workers from before format 2 refuse a store they could not read the bad lines of, and
+    # share every other: a clean file's store is format 1, as they write it.
+    assert json.loads((store.path / META).read_text())["identity"]["format"] == 2
+    clean_store = build(clean, tokenizer, root)
+    assert json.loads((clean_store.path / META).read_text())["identity"]["format"] == 1
+    assert clean_store.invalid == {} and clean_store.invalid_lines == []
+    # Both open again as they are, without a rebuild.
+    assert build(path, tokenizer, root).invalid == store.invalid
 
 
 def test_a_file_changed_since_its_digest_is_refused_and_no_store_is_published(

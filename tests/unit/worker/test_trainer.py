@@ -98,6 +98,10 @@ def test_training_makes_the_loss_fall_and_reports_a_baseline_at_step_zero(
         "lr_muon",
         "grad_norm",
         "tokens_per_s",
+        # The token ledger (worker.train.ledger), for the phase's one source too.
+        "tokens/pretrain",
+        "target_tokens/pretrain",
+        "epochs/pretrain",
     }
     losses = [reporter.metrics_by_step[s]["loss"] for s in range(1, 31)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0
