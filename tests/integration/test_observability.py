@@ -59,6 +59,7 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
             bad.write_text('{"source": "a", "target": " b"}\n{"source": 1}\n')
             remote_bad = [*remote[:2], str(bad), *remote[3:]]
             refused = cli(remote_bad, env=env)
+            local_bad = cli([arg for arg in remote_bad if arg != "--remote"], env=env)
             worker_metrics = samples(httpx.get(f"http://127.0.0.1:{worker_port}/metrics").text)
         worker.stop()
         worker_log = worker.log.read_text().splitlines()
@@ -74,9 +75,12 @@ def test_metrics_logs_and_watch_of_a_run(tmp_path: Path, postgres_url: str) -> N
     for summary in evals["tasks"].values():
         assert [p["step"] for p in summary["history"]] == [0, total]
     assert inspected.returncode == 1, inspected.stderr  # 3 records cannot fit: exit 1
-    # A file the worker cannot read is bad input, as it is locally: exit 2, naming the line.
-    assert refused.returncode == 2, refused.stderr
-    assert f"{tmp_path / 'bad.jsonl'}:2" in refused.stderr.replace("\n", "")
+    # A line the worker cannot read is counted and named, not fatal, as it is locally: exit 1.
+    assert refused.returncode == local_bad.returncode == 1, refused.stderr
+    assert json.loads(refused.stdout) == json.loads(local_bad.stdout)
+    bad_report = json.loads(refused.stdout)
+    assert bad_report["skipped_records"] == {"wrong_shape": 1}
+    assert [p["line"] for p in bad_report["problems"]] == [2]
     report = json.loads(inspected.stdout)
     assert (report["records"], report["refused"]) == (48, 3)
 
