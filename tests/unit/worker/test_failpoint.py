@@ -199,7 +199,10 @@ def test_sigkill_mid_checkpoint_leaves_only_a_temporary_that_is_cleaned_up(
         timeout=120,
     )
     assert done.returncode == -signal.SIGKILL, done.stderr
-    assert done.stdout == "started\n"
+    # Killed during the write, never after it: "saved" is never printed. Whether "started" is
+    # depends on which thread the scheduler runs first (the writer can reach the failpoint
+    # before start() returns on a loaded machine), so it is not asserted.
+    assert done.stdout in ("", "started\n"), done.stdout
     (tmp,) = directory.iterdir()
     assert tmp.name.startswith(".tmp-step-00000005")
     assert (tmp / "model.safetensors").is_file() and not (tmp / "manifest.json").exists()
