@@ -240,13 +240,24 @@ def run_demo(
     for line in skipped_notes(evals):
         console.print(line, soft_wrap=True, markup=False, highlight=False)
 
+    problems = demo_problems(phase_losses, evals)
+    for problem in problems:
+        console.print(f"[red]check failed:[/red] {problem}")
+    return DemoResult(ok=not problems, run=run, evals=evals, start=first)
+
+
+def demo_problems(phase_losses: list[tuple[str, float, float]], evals: dict[str, Any]) -> list[str]:
+    """What makes the demo fail: a phase whose loss did not fall, an eval set whose final
+    perplexity does not beat its baseline (or that has no perplexity to compare: every
+    record skipped)."""
     problems = [
         f"loss did not fall in phase {n} ({a:.3f} -> {b:.3f})" for n, a, b in phase_losses if b >= a
     ]
     for name, summary in evals["tasks"].items():
-        base, latest = summary.get("baseline"), summary["latest"]
-        if base is None or latest["perplexity"] >= base["perplexity"]:
+        base = (summary.get("baseline") or {}).get("perplexity")
+        latest = (summary.get("latest") or {}).get("perplexity")
+        if base is None or latest is None:
+            problems.append(f"eval set {name}: no perplexity to compare (no record scored)")
+        elif latest >= base:
             problems.append(f"eval set {name}: final perplexity does not beat the baseline")
-    for problem in problems:
-        console.print(f"[red]check failed:[/red] {problem}")
-    return DemoResult(ok=not problems, run=run, evals=evals, start=first)
+    return problems

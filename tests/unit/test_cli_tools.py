@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cli.demo import demo_problems
 from cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -328,3 +329,22 @@ def test_text_windows_are_counted_as_training_cuts_them(tmp_path: Path) -> None:
     shown = runner.invoke(app, args, env={"COLUMNS": "200"}).stdout
     windows = (report["text_tokens"] - 1) // 16
     assert f"{windows:,} windows" in shown
+
+
+def test_the_demo_check_names_a_set_with_no_perplexity_instead_of_crashing() -> None:
+    point = {"step": 8, "loss": 2.0, "perplexity": 7.4, "tokens": 90}
+    evals = {
+        "tasks": {
+            "qa": {"baseline": {**point, "perplexity": 9.0}, "latest": point},
+            "all-skipped": {"baseline": {**point, "perplexity": None}, "latest": point},
+            "worse": {"baseline": {**point, "perplexity": 5.0}, "latest": point},
+            "never-scored": {"baseline": None, "latest": {**point, "perplexity": None}},
+        }
+    }
+    problems = demo_problems([("pretrain", 3.0, 2.0), ("sft", 2.0, 2.5)], evals)
+    assert problems == [
+        "loss did not fall in phase sft (2.000 -> 2.500)",
+        "eval set all-skipped: no perplexity to compare (no record scored)",
+        "eval set worse: final perplexity does not beat the baseline",
+        "eval set never-scored: no perplexity to compare (no record scored)",
+    ]
