@@ -47,7 +47,7 @@ def waiting_text(run: dict[str, Any]) -> str:
     )
 
 
-# The most runs one `GET /runs` answers (service.schemas.MAX_RUNS_PAGE; the CLI imports no side).
+# The most runs one `GET /runs` answers (contracts.api.MAX_RUNS_PAGE; the CLI imports no side).
 RUNS_PAGE = 500
 
 

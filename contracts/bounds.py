@@ -18,6 +18,8 @@ MAX_COUNT = 2**31 - 1
 MAX_NAME = 200
 # String(255): worker hostnames (a DNS name is at most 253 characters).
 MAX_HOSTNAME = 255
+# String(64): one tag of a run.
+MAX_TAG = 64
 # String(64): the task an evaluation is stored under.
 MAX_TASK = 64
 # String(1024): a file path stored as text (the file an attempt is preparing).

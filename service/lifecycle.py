@@ -33,19 +33,10 @@ from types import EllipsisType
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from contracts.api import RunStatus
 from contracts.workflow import Workflow as WorkflowSpec
 from service.db import rowcount
 from service.models import Attempt, OutboxMessage, Run, Workflow, new_attempt_id, utcnow
-
-
-class RunStatus(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    PAUSED = "paused"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 class AttemptStatus(StrEnum):

@@ -32,7 +32,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from contracts.bounds import MAX_HOSTNAME, MAX_ID, MAX_NAME, MAX_TASK, SHA256_HEX
+from contracts.bounds import MAX_HOSTNAME, MAX_ID, MAX_NAME, MAX_TAG, MAX_TASK, SHA256_HEX
 from contracts.jobs import JobKind, JobStatus
 
 # The statuses' check constraints. The statuses themselves, their transitions and every write
@@ -61,9 +61,6 @@ CHECKPOINT_STATUSES: tuple[str, ...] = get_args(CheckpointStatus)
 # viewer: reads everything, changes nothing; worker: the internal API only (service.access).
 TokenRole = Literal["admin", "user", "viewer", "worker"]
 TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
-
-# String(64): one tag of a run (RunTag).
-MAX_TAG = 64
 
 
 def utcnow() -> datetime:

@@ -33,9 +33,9 @@ from typing import Final, Literal
 from sqlalchemy import func, select, union
 from sqlalchemy.orm import Session, aliased
 
+from contracts.api import BestCheckpoint
 from service.lifecycle import RunStatus
 from service.models import Checkpoint, EvalResult, Run, Workflow
-from service.schemas import BestCheckpoint
 
 USABLE: Final = "usable"
 # The directory a checkpoint of step N lies in, in its run's folder (service.workers.report

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contracts.api import CheckpointOf
 from contracts.paths import DataRoots, PathUse
 from service.checkpoints.registry import (
     CHECKPOINTS_DIR,
@@ -27,7 +28,6 @@ from service.checkpoints.registry import (
 )
 from service.errors import ApiError
 from service.models import Checkpoint, EvalResult, Run
-from service.schemas import CheckpointOf
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 

@@ -16,13 +16,7 @@ from typing import Any
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from contracts.signature import diff_components
-from contracts.workflow import Plan
-from service.lifecycle import RunStatus
-from service.models import EvalResult, Run
-from service.reads.series import json_float
-from service.runs.view import run_tags
-from service.schemas import (
+from contracts.api import (
     ComparedEval,
     ComparedEvalSet,
     ComparedPhase,
@@ -33,6 +27,12 @@ from service.schemas import (
     InputGroup,
     RunComparison,
 )
+from contracts.signature import diff_components
+from contracts.workflow import Plan
+from service.lifecycle import RunStatus
+from service.models import EvalResult, Run
+from service.reads.series import json_float
+from service.runs.view import run_tags
 
 
 def percent_change(value: float | None, reference: float | None) -> float | None:

@@ -13,12 +13,12 @@ from typing import Any
 from sqlalchemy import Integer, func, literal, select, tuple_, union_all
 from sqlalchemy.orm import Session
 
+from contracts.api import EvalAt, EvalByPhase, EvalSetRef, PhaseEval, PhaseEvals
 from contracts.workflow import Plan
 from service.models import EvalResult, Run
 from service.reads.compare import percent_change
 from service.reads.series import downsample, json_float
 from service.reads.thinning import series_names
-from service.schemas import EvalAt, EvalByPhase, EvalSetRef, PhaseEval, PhaseEvals
 
 EvalPoint = dict[str, Any]
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from sqlalchemy import literal, select, union_all
 from sqlalchemy.orm import Session
 
+from contracts.api import LedgerPhase, LedgerPublic, LedgerSource
 from contracts.ledger import ledger_series
 from contracts.workflow import PhasePlan, Plan
 from service.models import MetricPoint, Run
-from service.schemas import LedgerPhase, LedgerPublic, LedgerSource
 
 # Lookups per statement: SQLite takes at most 500 terms of a compound SELECT.
 _LOOKUPS_PER_STATEMENT = 200

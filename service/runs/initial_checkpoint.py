@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from contracts.api import CheckpointOf, InitialCheckpointIn
 from contracts.paths import DataRoots
 from contracts.signature import Digests, Signature, compute_signature
 from contracts.workflow import Workflow as WorkflowSpec
@@ -19,7 +20,6 @@ from service.access import outside_roots
 from service.checkpoints.source import refusal, source_checkpoint, stored_checkpoint
 from service.checkpoints.weights import checkpoint_problem
 from service.errors import ApiError
-from service.schemas import CheckpointOf, InitialCheckpointIn
 
 
 @dataclass(frozen=True)

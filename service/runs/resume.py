@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contracts.api import RunResume
 from contracts.paths import DataRoots
 from contracts.signature import FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
@@ -30,7 +31,6 @@ from service.runs.digest import resolve_digests
 from service.runs.initial_checkpoint import InitialCheckpoint, recheck_initial_checkpoint, sign_run
 from service.runs.run import get_run, parse_inputs
 from service.runs.workflow import get_workflow
-from service.schemas import RunResume
 from service.workers.lease import digests_of, expire_attempt, is_active
 
 

@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contracts.api import InitialCheckpointIn, RunCreate, RunUpdate
 from contracts.paths import DataRoots
 from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
@@ -34,7 +35,6 @@ from service.runs.workflow import (
     save_workflow,
     stored_pretrained,
 )
-from service.schemas import InitialCheckpointIn, RunCreate, RunUpdate
 
 
 def request_sha256(request: RunCreate) -> str:

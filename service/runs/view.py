@@ -12,12 +12,12 @@ from typing import Any, NamedTuple
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from contracts.api import AttemptPublic, CheckpointSummary, InitialCheckpointFrom, RunPublic
 from contracts.reports import Preparing
 from contracts.workflow import Plan
 from service.checkpoints.registry import USABLE
 from service.lifecycle import AttemptStatus, RunStatus, budget_use, recovery_seconds
 from service.models import Attempt, Checkpoint, Run, RunTag, utcnow
-from service.schemas import AttemptPublic, CheckpointSummary, InitialCheckpointFrom, RunPublic
 from service.workers.fleet import LiveCapacity, largest_live_worker
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from contracts.api import WorkflowPublic
 from contracts.paths import DataRoots, PathUse
 from contracts.signature import canonical_json
 from contracts.workflow import Workflow as WorkflowSpec
@@ -18,7 +19,6 @@ from service.checkpoints.source import check_run_folders, stored_checkpoint
 from service.db import insert_for
 from service.errors import ApiError, not_found
 from service.models import Workflow, WorkflowOwner, utcnow
-from service.schemas import WorkflowPublic
 
 
 def workflow_path_fields(doc: dict[str, Any]) -> list[tuple[str, str, PathUse]]:

@@ -12,10 +12,10 @@ from typing import Any
 from sqlalchemy import exists, func, or_, select
 from sqlalchemy.orm import Session
 
+from contracts.api import WorkerPublic, WorkersPublic
 from service.db import insert_for
 from service.lifecycle import AttemptStatus
 from service.models import Attempt, Run, Worker
-from service.schemas import WorkerPublic, WorkersPublic
 
 # What a worker first heard from by a claim or heartbeat (which carry no version) shows
 # until its ping says.

@@ -21,11 +21,11 @@ from test_api import (
 )
 from weights import write_model_dir, write_weights_file
 
+from contracts.api import RunResume
 from contracts.signature import sha256_file, sha256_path
 from service.errors import ApiError
 from service.models import Attempt, OutboxMessage, Run
 from service.runs.resume import resume_run
-from service.schemas import RunResume
 
 if TYPE_CHECKING:
     from conftest import Api, ApiFactory, SettingsFactory, WorkflowFactory

@@ -4,9 +4,9 @@ from fastapi import APIRouter
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
+from contracts.api import Status
 from service.api.deps import SessionDep
 from service.errors import database_unavailable
-from service.schemas import Status
 
 router = APIRouter(tags=["health"])
 

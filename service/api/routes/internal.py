@@ -20,6 +20,7 @@ from fastapi import APIRouter, BackgroundTasks, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from contracts.api import BatchAccepted, ItemErrorPublic
 from contracts.reports import (
     MAX_REPORT_BYTES,
     Accepted,
@@ -37,7 +38,6 @@ from contracts.reports import (
 from service.api.deps import PumpDep, SessionDep, SettingsDep, WorkerDep, require_worker
 from service.checkpoints.registry import pinned_steps
 from service.models import utcnow
-from service.schemas import BatchAccepted, ItemErrorPublic
 from service.workers.fleet import note_attempt_worker, note_worker
 from service.workers.lease import claim_attempt, heartbeat
 from service.workers.report import (

@@ -17,31 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.orm import Session
 
-from contracts.bounds import MAX_COUNT
-from service import access, audit
-from service.api.deps import (
-    ApiTokenDep,
-    LeasesHeardDep,
-    MetricNamesDep,
-    PumpDep,
-    RunDep,
-    SessionDep,
-    SettingsDep,
-    require_api,
-)
-from service.checkpoints.registry import CheckpointFilter, best_checkpoints, list_checkpoints
-from service.lifecycle import RunStatus
-from service.models import MAX_TAG, Run
-from service.reads.compare import compare_runs
-from service.reads.evaluation import eval_by_phase, eval_summary
-from service.reads.export import evals_csv, metrics_csv
-from service.reads.ledger import token_ledger
-from service.reads.series import metric_series_json
-from service.runs.control import cancel_run, pause_run
-from service.runs.resume import resume_run
-from service.runs.run import create_run, run_for, update_run
-from service.runs.view import RunsCursor, list_runs, run_public, runs_public
-from service.schemas import (
+from contracts.api import (
     MAX_COMPARED,
     MAX_RUNS_PAGE,
     CheckpointPublic,
@@ -55,6 +31,30 @@ from service.schemas import (
     RunsPublic,
     RunUpdate,
 )
+from contracts.bounds import MAX_COUNT, MAX_TAG
+from service import access, audit
+from service.api.deps import (
+    ApiTokenDep,
+    LeasesHeardDep,
+    MetricNamesDep,
+    PumpDep,
+    RunDep,
+    SessionDep,
+    SettingsDep,
+    require_api,
+)
+from service.checkpoints.registry import CheckpointFilter, best_checkpoints, list_checkpoints
+from service.lifecycle import RunStatus
+from service.models import Run
+from service.reads.compare import compare_runs
+from service.reads.evaluation import eval_by_phase, eval_summary
+from service.reads.export import evals_csv, metrics_csv
+from service.reads.ledger import token_ledger
+from service.reads.series import metric_series_json
+from service.runs.control import cancel_run, pause_run
+from service.runs.resume import resume_run
+from service.runs.run import create_run, run_for, update_run
+from service.runs.view import RunsCursor, list_runs, run_public, runs_public
 from service.settings import ServiceSettings
 
 router = APIRouter(prefix="/runs", tags=["runs"], dependencies=[Depends(require_api)])

@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
+from contracts.api import WorkersPublic
 from contracts.reports import Accepted, WorkerPing
 from service import access
 from service.api.deps import ApiTokenDep, SessionDep, SettingsDep, WorkerDep, require_api
 from service.models import utcnow
-from service.schemas import WorkersPublic
 from service.workers.fleet import list_workers, note_worker
 
 MAX_WORKERS_PAGE = 500

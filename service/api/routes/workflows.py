@@ -5,6 +5,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Response, status
 from sqlalchemy.orm import Session
 
+from contracts.api import WorkflowPublic, WorkflowValidation
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import plan
 from service import access
@@ -17,7 +18,6 @@ from service.runs.workflow import (
     save_workflow,
     workflow_public,
 )
-from service.schemas import WorkflowPublic, WorkflowValidation
 from service.settings import ServiceSettings
 
 router = APIRouter(prefix="/workflows", tags=["workflows"], dependencies=[Depends(require_api)])

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from contracts.api import RunUpdate
 from contracts.signature import Digests, compute_signature
 from contracts.workflow import Workflow
 from service.reads.compare import eval_table, input_differences, input_groups, percent_change
 from service.reads.export import EVAL_COLUMNS, METRIC_COLUMNS, csv_text
-from service.schemas import RunUpdate
 
 DOC: dict[str, Any] = {
     "name": "wf",

@@ -11,13 +11,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 import service.runs.control as control
+from contracts.api import RunCreate
 from contracts.reports import CheckpointRef, CheckpointReport, ClaimRequest, Finish
 from service.auth import create_token, find_token
 from service.db import make_session_factory, upgrade_database
 from service.errors import ApiError
 from service.models import Attempt, Run
 from service.runs.run import create_run
-from service.schemas import RunCreate
 from service.settings import ServiceSettings
 from service.workers.lease import claim_attempt
 from service.workers.report import finish_attempt, register_checkpoint

@@ -1,8 +1,11 @@
-"""What the public API accepts and answers (the worker protocol lives in contracts.reports)."""
+"""What the public API accepts and answers: the request and response models the service
+validates and answers with, and that a client reads answers into (the worker protocol lives
+in contracts.reports)."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import (
@@ -17,17 +20,27 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, NO_NUL, SHA256_HEX
+from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, MAX_TAG, NO_NUL, SHA256_HEX
 from contracts.reports import Preparing
 from contracts.workflow import MAX_DEVICES, Plan
-from service.lifecycle import RunStatus
-from service.models import MAX_TAG
 
 MAX_RUNS_PAGE = 500
 # Tags per run, the characters of a note, and the runs one comparison takes.
 MAX_TAGS = 32
 MAX_NOTE = 10_000
 MAX_COMPARED = 8
+
+
+class RunStatus(StrEnum):
+    """A run's status; the transitions between them are service.lifecycle's."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 def check_tag(value: str) -> str:
