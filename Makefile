@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 PACKAGES := contracts runtime service worker cli
 
-.PHONY: install demo test lint format services browser unit integration bench clean
+.PHONY: install demo test lint format services browser unit integration bench reference clean
 
 # torch==2.13.0 first, so that the `worker` extra's range is already satisfied and pip never
 # resolves a (multi-GB, CUDA) torch of its own.
@@ -29,14 +29,14 @@ browser:
 	bash scripts/install_browser.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check $(PACKAGES) migrations tests bench examples
-	$(VENV)/bin/ruff format --check $(PACKAGES) migrations tests bench examples
+	$(VENV)/bin/ruff check $(PACKAGES) migrations tests bench examples scripts
+	$(VENV)/bin/ruff format --check $(PACKAGES) migrations tests bench examples scripts
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy bench/*.py examples/*.py
+	$(VENV)/bin/mypy bench/*.py examples/*.py scripts/*.py
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix $(PACKAGES) migrations tests bench examples
-	$(VENV)/bin/ruff format $(PACKAGES) migrations tests bench examples
+	$(VENV)/bin/ruff check --fix $(PACKAGES) migrations tests bench examples scripts
+	$(VENV)/bin/ruff format $(PACKAGES) migrations tests bench examples scripts
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 tests/unit
@@ -49,6 +49,11 @@ test: $(STAMP) services browser lint
 
 bench: $(STAMP)
 	$(PY) bench/train_throughput.py
+
+# docs/reference/ (the workflow document, the settings, the CLI) from the code; a unit test
+# fails when the committed files differ from what this writes.
+reference: $(STAMP)
+	PYTHONPATH=. $(PY) scripts/reference.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

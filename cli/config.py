@@ -5,16 +5,23 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class CliSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINCTL_")
 
-    home: Path = Path.home() / ".trainctl"
-    api_url: str = "http://127.0.0.1:8600"
-    # When empty, the token is read from <home>/token (written by the embedded stack).
-    token: str = ""
+    home: Path = Field(
+        Path.home() / ".trainctl",
+        description="The embedded stack's folder, where `up` writes the admin token (home/token).",
+    )
+    api_url: str = Field("http://127.0.0.1:8600", description="The API the CLI talks to.")
+    token: str = Field(
+        "",
+        description="The CLI's bearer token; empty: the one in home/token (written by the "
+        "embedded stack).",
+    )
 
     def resolved_token(self) -> str:
         if self.token:

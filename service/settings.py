@@ -26,46 +26,115 @@ _BROKER_SCHEMES = ("filesystem:", "redis:", "rediss:", "amqp:", "memory:")
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINCTL_", extra="ignore")
 
-    home: Path = Path(DEFAULT_HOME)
+    home: Path = Field(
+        Path(DEFAULT_HOME),
+        description="The embedded stack's folder: the defaults of the database, the broker and "
+        "the artifact store lie under it.",
+    )
     # The next three default to places under `home` (filled in by _derive_from_home).
-    database_url: str = ""
-    broker_url: str = ""
-    artifact_root: Path = Path()
-    api_url: str = "http://127.0.0.1:8600"
-    queue: str = Field(default=DEFAULT_QUEUE, min_length=1)
-    # Relative paths in submitted workflows resolve against this directory (default: the
-    # first of data_roots when those are set, else the working directory).
-    data_root: Path = Path()
-    # Every path the API accepts must resolve inside one of these folders (contracts.paths):
-    # TRAINCTL_DATA_ROOTS, separated by os.pathsep (":"); default: data_root alone.
-    data_roots: Annotated[tuple[Path, ...], NoDecode] = ()
-    lease_seconds: float = Field(default=60.0, gt=0)
-    # A running attempt whose worker keeps its lease (the worker's keeper thread heartbeats)
-    # but whose progress (steps, evals, checkpoints, preparation units) has not moved for this
-    # long is lost with cause `stalled`: the worker hangs. Longer than the slowest step,
-    # checkpoint or evaluation set a run may take.
-    stall_seconds: float = Field(default=1800.0, gt=0)
-    # Log lines as text or as one JSON object per line (with run_id/attempt_id where known).
-    log_format: LogFormat = "text"
-    log_level: str = "INFO"
-    outbox_interval_seconds: float = Field(default=2.0, gt=0)
-    # How often the reaper looks for running attempts whose lease expired. A lost worker is
-    # noticed between lease_seconds and lease_seconds + this after its last report.
-    reaper_interval_seconds: float = Field(default=5.0, gt=0)
-    # A job (inspection, evaluation) running longer than this is sent to a worker again: its
-    # worker may have died (jobs hold no lease). The first outcome posted is the one kept.
-    job_timeout_seconds: float = Field(default=3600.0, gt=0)
-    # A job is sent at most this many times: one whose worker went silent on it this often
-    # (killed by the job itself, as an out-of-memory kill does) fails instead of going out again.
-    job_max_deliveries: int = Field(default=3, ge=1, le=MAX_BUDGET)
-    # An attempt still queued this long after its message went out, while a live worker that
-    # could take it runs nothing, is sent again: the broker lost the message (a Redis restarted
-    # without persistence, a purged queue). A duplicate costs a refused claim.
-    redispatch_seconds: float = Field(default=300.0, gt=0)
-    # Default budgets of a run (POST /runs may set its own): preemptions and lost workers...
-    max_preemptions: int = Field(default=10, ge=0, le=MAX_BUDGET)
-    # ...and errors with cause `infrastructure`. Other causes fail the run at once.
-    max_restarts: int = Field(default=3, ge=0, le=MAX_BUDGET)
+    database_url: str = Field(
+        "",
+        description="postgresql+psycopg://user@host/db in production, or sqlite:///path.db.",
+    )
+    broker_url: str = Field(
+        "",
+        description="The Celery broker the service sends attempts and jobs on: "
+        "redis://host:6379/0 in production, or filesystem:///folder (embedded).",
+    )
+    artifact_root: Path = Field(
+        Path(),
+        description="The artifact store (checkpoints, eval outputs, token stores): a folder "
+        "the service and every worker read at the same path.",
+    )
+    api_url: str = Field(
+        "http://127.0.0.1:8600",
+        description="The API's address: `trainctl up` sets it from its --host and --port and "
+        "hands it to its workers; `serve` does not read it.",
+    )
+    queue: str = Field(
+        default=DEFAULT_QUEUE,
+        min_length=1,
+        description="The broker queue the service sends work on (workers consume it).",
+    )
+    data_root: Path = Field(
+        Path(),
+        description="Relative paths in submitted workflows and jobs resolve against this "
+        "folder; default: the first of the data roots when those are set, else the working "
+        "directory.",
+    )
+    data_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
+        (),
+        description="Every path the API accepts must resolve inside one of these folders, "
+        'separated by os.pathsep (":"); default: the data root alone.',
+    )
+    lease_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="An attempt's lease: a worker not heard from this long has lost it, and "
+        "the phase goes to another worker from the latest checkpoint.",
+    )
+    stall_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        description="A running attempt whose worker keeps its lease but whose progress (steps, "
+        "evals, checkpoints, preparation units) has not moved for this long is lost with "
+        "cause `stalled`: the worker hangs. Longer than the slowest step, checkpoint or "
+        "evaluation set a run may take.",
+    )
+    log_format: LogFormat = Field(
+        "text",
+        description="Log lines as text or as one JSON object per line (with run_id and "
+        "attempt_id where known).",
+    )
+    log_level: str = Field("INFO", description="The lowest level logged.")
+    outbox_interval_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often unsent broker messages (a broker outage) are sent again.",
+    )
+    reaper_interval_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the reaper looks for running attempts whose lease expired: a "
+        "lost worker is noticed between lease_seconds and lease_seconds + this after its last "
+        "report.",
+    )
+    job_timeout_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="A job (inspection, evaluation) running longer than this is sent to a "
+        "worker again: its worker may have died (jobs hold no lease). The first outcome "
+        "posted is the one kept.",
+    )
+    job_max_deliveries: int = Field(
+        default=3,
+        ge=1,
+        le=MAX_BUDGET,
+        description="A job is sent at most this many times: one whose worker went silent on it "
+        "this often (killed by the job itself, as an out-of-memory kill does) fails instead of "
+        "going out again.",
+    )
+    redispatch_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="An attempt still queued this long after its message went out, while a "
+        "live worker that could take it runs nothing, is sent again: the broker lost the "
+        "message (a Redis restarted without persistence, a purged queue).",
+    )
+    max_preemptions: int = Field(
+        default=10,
+        ge=0,
+        le=MAX_BUDGET,
+        description="A run's default budget of preemptions and lost workers (POST /runs may "
+        "set its own).",
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=MAX_BUDGET,
+        description="A run's default budget of errors with cause `infrastructure` (POST /runs "
+        "may set its own); other causes fail the run at once.",
+    )
 
     @model_validator(mode="before")
     @classmethod

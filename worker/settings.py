@@ -18,60 +18,106 @@ from worker.failpoint_spec import parse
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINCTL_", frozen=True)
 
-    api_url: str = "http://127.0.0.1:8600"
-    # The bearer token of `/internal/...`; workers hold no database credentials. A secret:
-    # `**********` in every repr, str and dump; `get_secret_value()` where it is sent.
-    worker_token: SecretStr = SecretStr("")
-    home: Path = Path("~/.trainctl")
-    # Empty means the embedded broker: `filesystem://<home>/broker`.
-    broker_url: str = ""
-    # The artifact store the service hands out (TRAINCTL_ARTIFACT_ROOT, as the service reads
-    # it; default <home>/artifacts). Jobs keep their token stores under it; an attempt takes
-    # the root from its claim.
-    artifact_root: Path = Path()
-    queue: str = DEFAULT_QUEUE
-    # The folders a claim's or a job's files must resolve inside (contracts.paths), as the
-    # service reads them: TRAINCTL_DATA_ROOTS (os.pathsep-separated), else TRAINCTL_DATA_ROOT,
-    # else the working directory. Checked again here before anything is read.
-    data_roots: Annotated[tuple[Path, ...], NoDecode] = ()
-    data_root: Path | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # The devices this worker owns, for phases of more than one rank (worker.process.launch): a
-    # count ("2": on CPU, two gloo ranks) or CUDA indices ("0,1"; "3," for device 3 alone).
-    # Empty: every visible GPU, or one CPU rank. It consumes the queues of 1 to that many.
-    devices: str = Field(default="", pattern=r"^\s*(\d+|(\d+\s*,\s*)+\d*)?\s*$")
-    # How long a rank waits in one collective (a gradient all-reduce, the step's order) for
-    # the others before the attempt fails: longer than the slowest eval or checkpoint wait
-    # rank 0 makes the others sit through.
-    collective_timeout_seconds: float = Field(default=1800.0, gt=0)
-    # None leaves torch's default (one thread per core).
-    torch_threads: int | None = None
-    # How often the lease keeper renews the attempt's lease (and the loop flushes buffered
-    # metric points): well under the service's TRAINCTL_LEASE_SECONDS.
-    heartbeat_seconds: float = Field(default=5.0, gt=0)
-    # Log lines as text or as one JSON object per line; both carry run_id and attempt_id.
-    log_format: LogFormat = "text"
-    log_level: str = "INFO"
-    # When set, the worker serves Prometheus metrics on this port (GET /metrics).
-    metrics_port: int | None = None
-    # At a phase's end, how long the worker waits for an unreachable service to take the
-    # reports it spooled (and the finish) before it gives up and leaves them on disk for the
-    # next worker process on this machine to send.
-    spool_flush_seconds: float = 300.0
-    # A worker told to stop (its attempt was lost as stalled, or given away) whose attempt has
-    # not ended this long after is hung: it ends its process (exit 70) for its supervisor to
-    # start a fresh one. Longer than the slowest step or checkpoint wait.
-    abandon_seconds: float = Field(default=600.0, gt=0)
+    api_url: str = Field("http://127.0.0.1:8600", description="The API the worker reports to.")
+    # A secret: `**********` in every repr, str and dump; `get_secret_value()` where it is sent.
+    worker_token: SecretStr = Field(
+        SecretStr(""),
+        description="The worker's bearer token (role `worker`) for the API's internal routes; "
+        "workers hold no database credentials.",
+    )
+    home: Path = Field(
+        Path("~/.trainctl"),
+        description="The worker's folder: the default broker and artifact store, and the spool "
+        "of reports the service could not take yet.",
+    )
+    broker_url: str = Field(
+        "",
+        description="The Celery broker the worker consumes: redis://host:6379/0 in production; "
+        "empty: the embedded broker folder under home.",
+    )
+    artifact_root: Path = Field(
+        Path(),
+        description="The artifact store, as the service reads it: jobs keep their token stores "
+        "under it; an attempt takes the root from its claim.",
+    )
+    queue: str = Field(DEFAULT_QUEUE, description="The broker queue the worker consumes.")
+    data_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
+        (),
+        description="The folders a claim's or a job's files must resolve inside, as the "
+        "service reads them (os.pathsep-separated); checked again before anything is read. "
+        "Empty: the data root.",
+    )
+    data_root: Path | None = Field(
+        None,
+        description="With no data roots, the one folder files must resolve inside; unset: the "
+        "working directory.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description='Where to train; "auto": CUDA when available, else the CPU.'
+    )
+    devices: str = Field(
+        default="",
+        pattern=r"^\s*(\d+|(\d+\s*,\s*)+\d*)?\s*$",
+        description="The devices this worker owns, for phases of more than one rank: a count "
+        '("2": on CPU, two gloo ranks) or CUDA indices ("0,1"; "3," for device 3 alone). '
+        "Empty: every visible GPU, or one CPU rank. It consumes the queues of 1 to that many "
+        "ranks.",
+    )
+    collective_timeout_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        description="How long a rank waits in one collective (a gradient all-reduce, the "
+        "step's order) for the others before the attempt fails: longer than the slowest eval "
+        "or checkpoint wait rank 0 makes the others sit through.",
+    )
+    torch_threads: int | None = Field(
+        None, description="torch's CPU threads; unset: torch's default (one per core)."
+    )
+    heartbeat_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the lease keeper renews the attempt's lease (and the loop "
+        "flushes buffered metric points): well under the service's lease_seconds.",
+    )
+    log_format: LogFormat = Field(
+        "text",
+        description="Log lines as text or as one JSON object per line; both carry run_id and "
+        "attempt_id.",
+    )
+    log_level: str = Field("INFO", description="The lowest level logged.")
+    metrics_port: int | None = Field(
+        None,
+        description="When set, the worker serves Prometheus metrics on this port (GET /metrics).",
+    )
+    spool_flush_seconds: float = Field(
+        300.0,
+        description="At a phase's end, how long the worker waits for an unreachable service to "
+        "take the reports it spooled (and the finish) before it leaves them on disk for the "
+        "next worker process on this machine to send.",
+    )
+    abandon_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="A worker told to stop (its attempt was lost as stalled, or given away) "
+        "whose attempt has not ended this long after is hung: it ends its process (exit 70) "
+        "for its supervisor to start a fresh one. Longer than the slowest step or checkpoint "
+        "wait.",
+    )
     # Test knobs: `test_*` settings are refused unless TRAINCTL_TESTING=1, so that a variable
     # left in a production environment stops the worker at start instead of killing it
     # mid-phase or training it inexactly.
-    testing: bool = False
-    # Fault injection (worker/failpoint.py): "point@step,slow_point@step=seconds,...".
-    test_failpoints: str = ""
-    # The negative control of the bit-exact resume test, to prove that restoring the RNG
-    # matters: True leaves the random streams unrestored on resume, so a resumed run with
-    # dropout differs from an uninterrupted one.
-    test_skip_rng_restore: bool = False
+    testing: bool = Field(
+        False, description="Allows the test knobs (the `test_` settings); never set in production."
+    )
+    test_failpoints: str = Field(
+        "",
+        description='Test knob: fault injection, "point@step,slow_point@step=seconds,...".',
+    )
+    test_skip_rng_restore: bool = Field(
+        False,
+        description="Test knob: leaves the random streams unrestored on resume (the negative "
+        "control of the bit-exact resume test).",
+    )
 
     @field_validator("test_failpoints")
     @classmethod

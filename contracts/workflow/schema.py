@@ -60,45 +60,89 @@ class ModelSpec(_Strict):
     """Either a transformers config (llama-style; `model_type` defaults to "llama") or a local
     directory holding a pretrained model (`save_pretrained` output)."""
 
-    config: dict[str, Any] | None = None
-    pretrained: str | None = None
+    config: dict[str, Any] | None = Field(
+        None,
+        description="A transformers model config (its `config.json` keys); `model_type` "
+        'defaults to "llama". Give this or `pretrained`.',
+    )
+    pretrained: str | None = Field(
+        None,
+        description="A local directory holding a pretrained model (`save_pretrained` output), "
+        "relative to the data root or inside the data roots. Give this or `config`.",
+    )
 
 
 class OptimizerSpec(_Strict):
     """Muon for the 2-D hidden weights, AdamW for everything else (embeddings, head, norms)."""
 
-    muon_lr: float = Field(0.02, gt=0)
-    muon_momentum: float = Field(0.95, ge=0, lt=1)
-    muon_weight_decay: float = Field(0.0, ge=0)
-    adamw_lr: float = Field(3e-3, gt=0)
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    adamw_weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
+    muon_lr: float = Field(0.02, gt=0, description="Muon's learning rate (2-D hidden weights).")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum.")
+    muon_weight_decay: float = Field(0.0, ge=0, description="Muon's decoupled weight decay.")
+    adamw_lr: float = Field(
+        3e-3, gt=0, description="AdamW's learning rate (embeddings, head, norms, biases)."
+    )
+    adamw_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's (beta1, beta2).")
+    adamw_weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay.")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this; null: no clipping."
+    )
 
 
 class CheckpointSpec(_Strict):
-    every_steps: PositiveInt = 100
-    # At least two, so a corrupt newest checkpoint always has a predecessor to fall back to.
-    keep_last: int = Field(2, ge=2, le=MAX_COUNT)
-    # Eval sets (by name) whose best checkpoint retention keeps beside the last `keep_last`:
-    # of the steps with a checkpoint, the one whose evaluation of the set has the lowest
-    # cross-entropy. Left out of the normalised form (and so of the signature) when empty:
-    # workflows written before it keep their signature.
-    keep_best: list[Name] = Field([], exclude_if=lambda value: not value)
+    """When checkpoints are saved and which are kept. A phase's last step always saves one."""
+
+    every_steps: PositiveInt = Field(100, description="Save a checkpoint every this many steps.")
+    keep_last: int = Field(
+        2,
+        ge=2,
+        le=MAX_COUNT,
+        description="Keep the newest this many checkpoints; at least two, so that a corrupt "
+        "newest checkpoint always has a predecessor to fall back to.",
+    )
+    # Left out of the normalised form (and so of the signature) when empty: workflows written
+    # before it keep their signature.
+    keep_best: list[Name] = Field(
+        [],
+        exclude_if=lambda value: not value,
+        description="Eval sets (by name) whose best checkpoint is kept beside the last "
+        "`keep_last`: of the steps with a checkpoint, the one whose evaluation of the set has "
+        "the lowest cross-entropy.",
+    )
+
+
+def _name_is_optional(schema: dict[str, Any]) -> None:
+    # `name` is filled in from `task` before validation, so a document may leave it out.
+    schema["required"] = [f for f in schema.get("required", []) if f != "name"]
 
 
 class EvalSpec(_Strict):
-    # What the set's results are stored and answered under; by default its task. Two sets of
-    # one task (a QA mixture and a RAG set, say) need names of their own.
-    name: Name
-    task: Objective
-    data: str
-    every_steps: PositiveInt = 100
-    # One geometry for the whole run, so that every point of a task's history is comparable:
-    # by default the longest sequence_length of the workflow (phases and their sources).
-    sequence_length: PositiveInt | None = None
-    # Rows per forward pass; the number does not depend on it (only memory and speed do).
-    batch_size: PositiveInt = 8
+    """A held-out set evaluated during the run: token-weighted, target-only cross-entropy and
+    perplexity of its records, at step 0 (the baseline), every `every_steps` and at each
+    phase's end."""
+
+    model_config = ConfigDict(json_schema_extra=_name_is_optional)
+
+    name: Name = Field(
+        description="What the set's results are stored and answered under; by default its "
+        "task. Two sets of one task (a QA mixture and a RAG set, say) need names of their own."
+    )
+    task: Objective = Field(description="The objective whose encoding the set is scored with.")
+    data: str = Field(
+        description="The set's JSONL file (`.zst` too), relative to the data root or inside "
+        "the data roots."
+    )
+    every_steps: PositiveInt = Field(100, description="Evaluate every this many steps.")
+    sequence_length: PositiveInt | None = Field(
+        None,
+        description="One geometry for the whole run, so that every point of the set's history "
+        "is comparable; null: the longest sequence_length of the workflow (phases and their "
+        "sources).",
+    )
+    batch_size: PositiveInt = Field(
+        8,
+        description="Rows per forward pass; the result does not depend on it (only memory and "
+        "speed do).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -117,16 +161,30 @@ class DataSource(_Strict):
     `objective: continued_pretrain` and the pretraining stage's geometry, which must fill the
     same token envelope (`sequence_length x microbatch_size = microbatch_tokens`)."""
 
-    path: str
-    # A share of *tokens* (of the phase's envelope tokens), relative to the other sources.
-    weight: float = Field(1.0, gt=0)
-    # Names the source's metrics (`loss/<name>`); by default the file name without suffixes.
+    path: str = Field(
+        description="The JSONL file (`.zst` too), relative to the data root or inside the data "
+        "roots."
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="A share of *tokens* (of the phase's envelope tokens), relative to the "
+        "other sources of the phase.",
+    )
     name: (
         Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] | None
-    ) = None
-    objective: Objective | None = None
-    sequence_length: PositiveInt | None = None
-    microbatch_size: PositiveInt | None = None
+    ) = Field(
+        None,
+        description="Names the source's metrics (`loss/<name>`); null: the file name without "
+        "its suffixes.",
+    )
+    objective: Objective | None = Field(None, description="null: the phase's objective.")
+    sequence_length: PositiveInt | None = Field(
+        None, description="null: the phase's sequence_length."
+    )
+    microbatch_size: PositiveInt | None = Field(
+        None, description="null: the phase's microbatch_size."
+    )
 
 
 class InspectionGate(_Strict):
@@ -134,20 +192,30 @@ class InspectionGate(_Strict):
     same encoder as training; see docs/data.md). Refused records and records with no target
     tokens always stop training; these limits add what is allowed of the rest."""
 
-    # Share of records whose elastic segments had to be trimmed or dropped to fit.
-    max_trimmed_share: float = Field(1.0, ge=0, le=1)
-    # Share of records that repeat an earlier record exactly.
-    max_duplicate_share: float = Field(1.0, ge=0, le=1)
+    max_trimmed_share: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Most share of records whose elastic segments may be trimmed or dropped "
+        "to fit.",
+    )
+    max_duplicate_share: float = Field(
+        1.0, ge=0, le=1, description="Most share of records that repeat an earlier one exactly."
+    )
 
 
 class Schedule(_Strict):
     """Learning-rate multiplier over a phase: linear warmup, then either cosine decay or
     warmup-stable-decay (WSD: flat, then a linear decay over the last `decay_fraction`)."""
 
-    kind: Literal["wsd", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT)
-    decay_fraction: float = Field(0.2, ge=0, le=1)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    kind: Literal["wsd", "cosine"] = Field("cosine", description="The shape after warmup.")
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_COUNT, description="Steps of linear warmup from zero."
+    )
+    decay_fraction: float = Field(
+        0.2, ge=0, le=1, description="wsd: the share of the phase's steps the decay takes."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The multiplier the decay ends at.")
 
 
 # The most torch.distributed ranks one phase may ask of one worker (a machine of GPUs).
@@ -160,41 +228,71 @@ class Resources(_Strict):
     Not part of the run's identity: the same global batch is trained whatever the count, so
     a run pre-empted on 8 devices may go on on 4 (`POST /runs/{id}/resume` `devices`)."""
 
-    devices: int = Field(1, ge=1, le=MAX_DEVICES)
-    # "replicate": DDP, every rank holds the whole model and optimizer state. "fsdp": FSDP2
-    # (`fully_shard`, per transformer block), each rank holds 1/N of them, so a model that
-    # does not fit one device trains; checkpoints are gathered into the one-device form.
+    devices: int = Field(
+        1, ge=1, le=MAX_DEVICES, description="Ranks of torch.distributed, on one worker."
+    )
     sharding: Literal["replicate", "fsdp"] = Field(
-        "replicate", exclude_if=lambda value: value == "replicate"
+        "replicate",
+        exclude_if=lambda value: value == "replicate",
+        description='"replicate": DDP, every rank holds the whole model and optimizer state. '
+        '"fsdp": FSDP2 (`fully_shard`, per transformer block), each rank holds 1/N of them, '
+        "so a model that does not fit one device trains; checkpoints are gathered into the "
+        "one-device form.",
     )
 
 
 class Phase(_Strict):
-    name: Name
-    objective: Objective
-    data: list[DataSource] = Field(min_length=1)
-    sequence_length: PositiveInt
-    microbatch_size: PositiveInt
-    grad_accum: PositiveInt = 1
-    steps: PositiveInt
-    schedule: Schedule = Schedule()
-    # Multiplies both optimizers' learning rates for this phase.
-    lr_scale: float = Field(1.0, gt=0)
-    # When set, the phase does not start unless inspecting its data meets these limits.
-    inspection: InspectionGate | None = None
-    # "replay" only for a continued_pretrain phase (see Role). Left out of the normalised form
-    # (and so of the signature) at its default: workflows written before it keep theirs.
-    role: Role = Field("train", exclude_if=lambda value: value == "train")
-    # "reset": fresh Muon and AdamW state at the phase's first step; "carry": both optimizers'
-    # state (momentum, moments, AdamW's step count) goes on from the previous phase's final
-    # checkpoint, matched by parameter name. The learning-rate schedule and its warm-up are
-    # the phase's own either way. Left out of the normalised form (and so of the signature)
-    # at its default: workflows written before the field keep their signature.
-    optimizer_state: Literal["reset", "carry"] = Field(
-        "reset", exclude_if=lambda value: value == "reset"
+    """One stage of training: an objective, a data mixture, a geometry and a number of steps,
+    trained from the previous phase's final checkpoint."""
+
+    name: Name = Field(description="The phase's name, unique in the workflow.")
+    objective: Objective = Field(
+        description="What the phase trains: continued pretraining (loss on every token) or a "
+        "supervised task (loss on target tokens only)."
     )
-    # None: the workflow's `resources`. Never signed (Workflow.signed).
-    resources: Resources | None = Field(None, exclude_if=lambda value: value is None)
+    data: list[DataSource] = Field(
+        min_length=1, description="The sources of the phase's mixture, weighted by tokens."
+    )
+    sequence_length: PositiveInt = Field(description="Tokens per row.")
+    microbatch_size: PositiveInt = Field(
+        description="Rows per microbatch; sequence_length x microbatch_size must equal the "
+        "workflow's microbatch_tokens."
+    )
+    grad_accum: PositiveInt = Field(1, description="Microbatches per optimizer step.")
+    steps: PositiveInt = Field(description="Optimizer steps the phase trains.")
+    schedule: Schedule = Field(Schedule(), description="The learning-rate multiplier over it.")
+    lr_scale: float = Field(
+        1.0, gt=0, description="Multiplies both optimizers' learning rates for this phase."
+    )
+    inspection: InspectionGate | None = Field(
+        None,
+        description="When set, the phase does not start unless inspecting its data meets "
+        "these limits.",
+    )
+    # Left out of the normalised form (and so of the signature) at its default: workflows
+    # written before it keep theirs; likewise optimizer_state.
+    role: Role = Field(
+        "train",
+        exclude_if=lambda value: value == "train",
+        description='"train": the phase trains on its data. "replay" (a continued_pretrain '
+        "phase only): it returns to earlier pretraining data after post-training has begun, "
+        "so that the model keeps what it learned; all of it counts as replay.",
+    )
+    optimizer_state: Literal["reset", "carry"] = Field(
+        "reset",
+        exclude_if=lambda value: value == "reset",
+        description='"reset": fresh Muon and AdamW state at the phase\'s first step; "carry": '
+        "both optimizers' state (momentum, moments, AdamW's step count) goes on from the "
+        "previous phase's final checkpoint, matched by parameter name. The learning-rate "
+        "schedule and its warm-up are the phase's own either way.",
+    )
+    # Never signed (Workflow.signed).
+    resources: Resources | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="What the phase runs on; null: the workflow's `resources`. Not part of "
+        "the run's signature.",
+    )
 
     def sources(self) -> list[SourceGeometry]:
         """Each data source with its defaults resolved from the phase."""
@@ -238,17 +336,39 @@ class SourceGeometry(BaseModel):
 
 
 class Workflow(_Strict):
-    name: Name
-    model: ModelSpec
-    tokenizer: str
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    microbatch_tokens: PositiveInt
-    optimizer: OptimizerSpec = OptimizerSpec()
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    evals: list[EvalSpec] = []
-    phases: list[Phase] = Field(min_length=1)
-    # Every phase's resources unless it gives its own. Never signed (Workflow.signed).
-    resources: Resources = Field(Resources(), exclude_if=lambda value: value == Resources())
+    """A multi-phase training workflow: one model and tokenizer trained through its phases in
+    order, evaluated on its eval sets throughout."""
+
+    name: Name = Field(description="The workflow's name; a run's name by default.")
+    model: ModelSpec = Field(description="The model to train.")
+    tokenizer: str = Field(
+        description="A tokenizers `tokenizer.json`, relative to the data root or inside the "
+        "data roots."
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="Seeds initialisation, data order and dropout: the same seed and inputs "
+        "train the same run.",
+    )
+    microbatch_tokens: PositiveInt = Field(
+        description="The token envelope of every microbatch (sequence_length x "
+        "microbatch_size of every phase and source)."
+    )
+    optimizer: OptimizerSpec = Field(OptimizerSpec(), description="Both optimizers' settings.")
+    checkpoint: CheckpointSpec = Field(
+        CheckpointSpec(), description="When checkpoints are saved and which are kept."
+    )
+    evals: list[EvalSpec] = Field([], description="Held-out sets evaluated during the run.")
+    phases: list[Phase] = Field(min_length=1, description="The phases, trained in order.")
+    # Never signed (Workflow.signed).
+    resources: Resources = Field(
+        Resources(),
+        exclude_if=lambda value: value == Resources(),
+        description="Every phase's resources unless it gives its own. Not part of the run's "
+        "signature.",
+    )
 
     @field_validator("phases")
     @classmethod
