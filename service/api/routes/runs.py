@@ -97,7 +97,16 @@ def _csv(body: Any, run_id: str, what: str) -> StreamingResponse:
     )
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {
+            "model": RunPublic,
+            "description": "The run an earlier request with this Idempotency-Key and body created",
+        }
+    },
+)
 def submit_run(
     body: RunCreate,
     session: SessionDep,

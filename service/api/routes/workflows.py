@@ -53,7 +53,16 @@ def validate(
     return WorkflowValidation(valid=True, plan=plan(spec))
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {
+            "model": WorkflowPublic,
+            "description": "This token stored or ran the same workflow before",
+        }
+    },
+)
 def create_workflow(
     doc: WorkflowDocument,
     session: SessionDep,
