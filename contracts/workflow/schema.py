@@ -50,6 +50,14 @@ def name_defaults_to_task(data: Any) -> Any:
     return data
 
 
+def name_optional_in_schema(schema: dict[str, Any]) -> None:
+    """The JSON Schema of a model whose `name` defaults to its task (name_defaults_to_task):
+    `name` is not required, as the model does not require it (the schema would otherwise
+    refuse a document the model takes)."""
+    schema["required"] = [field for field in schema.get("required", []) if field != "name"]
+    schema["properties"]["name"]["description"] = "default: the task"
+
+
 class _Strict(BaseModel):
     # Python's JSON parser accepts Infinity and NaN; a learning rate of either only fails later,
     # on a GPU, so they are refused here.
@@ -88,6 +96,8 @@ class CheckpointSpec(_Strict):
 
 
 class EvalSpec(_Strict):
+    model_config = ConfigDict(json_schema_extra=name_optional_in_schema)
+
     # What the set's results are stored and answered under; by default its task. Two sets of
     # one task (a QA mixture and a RAG set, say) need names of their own.
     name: Name

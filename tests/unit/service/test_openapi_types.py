@@ -4,9 +4,12 @@ every time as a date-time."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import jsonschema_rs
 import pytest
 from fastapi import FastAPI
 
@@ -15,6 +18,7 @@ from service.api.app import create_app
 from service.settings import ServiceSettings
 
 REF = "#/components/schemas/"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +103,25 @@ def test_the_workflow_is_published_with_its_schema(document: dict[str, Any]) -> 
     assert published["additionalProperties"] is False
     # Its parts are components too: a client can build a phase.
     assert schemas["Phase"]["properties"]["objective"]
+
+
+def test_the_published_workflow_schema_takes_every_example_as_written_and_normalised(
+    document: dict[str, Any],
+) -> None:
+    """A document the service takes is one the schema takes: a client checking a workflow
+    against it before sending never refuses a valid one (an eval set's `name`, which defaults
+    to its task, is not required)."""
+    validator = jsonschema_rs.validator_for(
+        {"$ref": REF + "Workflow", "components": document["components"]}
+    )
+    examples = sorted((ROOT / "examples" / "workflows").glob("*.json"))
+    assert examples
+    for path in examples:
+        written = json.loads(path.read_text())
+        for form in (written, Workflow.model_validate(written).normalized()):
+            problems = [(e.instance_path, e.message) for e in validator.iter_errors(form)]
+            assert problems == [], path.name
+    assert not validator.is_valid({**written, "phases": []})
 
 
 def test_jobs_reference_their_request_and_result_models(document: dict[str, Any]) -> None:
