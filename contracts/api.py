@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    RootModel,
     ValidationInfo,
     computed_field,
     field_validator,
@@ -21,8 +22,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, MAX_TAG, NO_NUL, SHA256_HEX
+from contracts.documented import DocumentedAs
 from contracts.reports import Preparing
-from contracts.workflow import MAX_DEVICES, Plan
+from contracts.workflow import MAX_DEVICES, Plan, Workflow
 
 MAX_RUNS_PAGE = 500
 # Tags per run, the characters of a note, and the runs one comparison takes.
@@ -58,6 +60,11 @@ def check_tag(value: str) -> str:
 
 Tag = Annotated[str, Field(min_length=1, max_length=MAX_TAG), AfterValidator(check_tag)]
 
+# A workflow document as a request carries it: received as a JSON object, so that the service
+# reports every problem at once, each with its JSON path (service.runs.workflow.parse_workflow);
+# published as the Workflow's JSON Schema.
+WorkflowDocument = Annotated[dict[str, Any], DocumentedAs(Workflow)]
+
 
 class Status(BaseModel):
     status: str
@@ -71,7 +78,8 @@ class WorkflowValidation(BaseModel):
 class WorkflowPublic(BaseModel):
     id: str
     name: str
-    workflow: dict[str, Any]
+    # The normalised document (defaults filled in), whose SHA-256 is `id`.
+    workflow: WorkflowDocument
     plan: Plan
     created_at: datetime
 
@@ -111,7 +119,7 @@ InitialCheckpointIn = str | CheckpointOf
 class RunCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    workflow: dict[str, Any] | None = None
+    workflow: WorkflowDocument | None = None
     workflow_id: str | None = Field(None, min_length=1, max_length=SHA256_HEX)
     initial_checkpoint: InitialCheckpointIn | None = None
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL] | None = None
@@ -147,7 +155,7 @@ class RunResume(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workflow: dict[str, Any] | None = None
+    workflow: WorkflowDocument | None = None
     initial_checkpoint: InitialCheckpointIn | None = None
     devices: int | None = Field(None, ge=1, le=MAX_DEVICES)
 
@@ -401,6 +409,56 @@ class EvalByPhase(BaseModel):
     run_id: str
     sets: list[EvalSetRef]
     phases: list[PhaseEvals]
+
+
+class EvalPoint(BaseModel):
+    """One evaluation of one eval set as `GET /runs/{id}/eval` answers it: `records` scored,
+    the `target_tokens` the loss was taken over, the records left out as too long
+    (`oversized_records`) and, by reason, as unscorable (`skipped_records`: contracts.reports
+    .SKIP_REASONS). Non-finite values are null."""
+
+    step: int
+    phase: str
+    cross_entropy: float | None
+    perplexity: float | None
+    records: int
+    target_tokens: int
+    oversized_records: int
+    skipped_records: dict[str, int]
+
+
+class EvalSetSummary(BaseModel):
+    """One eval set of a run: its `task`, `baseline` (the step-0 evaluation, before the first
+    update; null without one), `latest` (the highest step), `best` (the lowest cross-entropy,
+    the earliest on ties; null while none is finite), `history` by step (thinned to
+    `max_points` when asked), and the first records its latest evaluation skipped, as
+    "file:line: reason"."""
+
+    task: str
+    baseline: EvalPoint | None
+    latest: EvalPoint
+    best: EvalPoint | None
+    history: list[EvalPoint]
+    skipped_examples: list[str] = []
+
+
+class EvalSummaryPublic(BaseModel):
+    """`GET /runs/{id}/eval`: each eval set of the run, by name (`tasks`; an eval set is named
+    after its task unless the workflow names it)."""
+
+    run_id: str
+    tasks: dict[str, EvalSetSummary]
+
+
+class MetricSeries(BaseModel):
+    """One metric as columns: `steps` ascending, and the value at each (null: not finite)."""
+
+    steps: list[int]
+    values: list[float | None]
+
+
+class MetricSeriesPublic(RootModel[dict[str, MetricSeries]]):
+    """`GET /runs/{id}/metrics`: each metric series of the run, by name."""
 
 
 class ComparedEval(BaseModel):

@@ -8,11 +8,14 @@ API stores a job and answers 202 with its id, a worker runs it and posts the res
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 from contracts.bounds import NUL_REPLACED
+from contracts.documented import DocumentedAs
+from contracts.reports import EvalResult
 from contracts.workflow import InspectionGate, Name, Objective, PositiveInt
 
 JobKind = Literal["inspection", "evaluation", "preparation"]
@@ -167,19 +170,35 @@ class PreparedStore(BaseModel):
     seconds: float
 
 
+# A job's time, answered as Python's isoformat writes it (`+00:00`, where pydantic would write
+# `Z`), as jobs always have been; a date-time in the document.
+JobTime = Annotated[
+    datetime,
+    PlainSerializer(datetime.isoformat, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "format": "date-time"}),
+]
+# What a job was asked and what it found, answered as stored: described by their models, but
+# not read through them (a result stored by an older worker still answers as it was written).
+JobRequest = Annotated[
+    dict[str, Any], DocumentedAs(InspectRequest | PrepareRequest | EvaluateRequest)
+]
+JobResult = Annotated[dict[str, Any], DocumentedAs(InspectionReport | PreparedStore | EvalResult)]
+
+
 class Job(BaseModel):
     """A job as the API returns it."""
 
     id: str
     kind: JobKind
     status: JobStatus
-    request: dict[str, Any]
+    # An InspectRequest, PrepareRequest or EvaluateRequest by `kind`, its paths resolved.
+    request: JobRequest
     # An InspectionReport, a PreparedStore or an EvalResult (contracts.reports), once
     # succeeded.
-    result: dict[str, Any] | None = None
+    result: JobResult | None = None
     error: str | None = None
-    created_at: str
-    finished_at: str | None = None
+    created_at: JobTime
+    finished_at: JobTime | None = None
     # How many times its message went out to a worker (the first time, and again each time its
     # worker went silent on it for the service's job timeout).
     deliveries: int = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.bounds import (
     MAX_COUNT,
@@ -26,7 +26,7 @@ from contracts.bounds import (
     NUL_REPLACED,
 )
 from contracts.signature import Digests
-from contracts.workflow import MAX_DEVICES, name_defaults_to_task
+from contracts.workflow import MAX_DEVICES, name_defaults_to_task, name_optional_in_schema
 
 # Steps and counts are stored in 32-bit columns.
 Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
@@ -193,6 +193,8 @@ class EvalResult(BaseModel):
     and answered by the set's `name` (contracts.workflow.EvalSpec; default: its task).
     `records` are those scored; the others are counted in `oversized_records` and, by reason,
     in `skipped_records`, the first of them named in `skipped_examples`."""
+
+    model_config = ConfigDict(json_schema_extra=name_optional_in_schema)
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL]
     task: Annotated[str, Field(max_length=MAX_TASK), NO_NUL]

@@ -25,6 +25,7 @@ from contracts.workflow.schema import (
     Workflow,
     defaults_written_out,
     name_defaults_to_task,
+    name_optional_in_schema,
     perplexity,
 )
 from contracts.workflow.validation import (
@@ -67,6 +68,7 @@ __all__ = [
     "devices_refusal",
     "json_path",
     "name_defaults_to_task",
+    "name_optional_in_schema",
     "path_fields",
     "perplexity",
     "plan",

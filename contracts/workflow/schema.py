@@ -50,6 +50,15 @@ def name_defaults_to_task(data: Any) -> Any:
     return data
 
 
+def name_optional_in_schema(schema: dict[str, Any]) -> None:
+    """The JSON Schema of a model whose `name` defaults to its task (name_defaults_to_task):
+    `name` is not required, as the model does not require it (the schema would otherwise
+    refuse a document the model takes)."""
+    schema["required"] = [field for field in schema.get("required", []) if field != "name"]
+    name = schema["properties"]["name"]
+    name["description"] = f"{name.get('description', '').rstrip()} Default: the task.".lstrip()
+
+
 class _Strict(BaseModel):
     # Python's JSON parser accepts Infinity and NaN; a learning rate of either only fails later,
     # on a GPU, so they are refused here.
@@ -110,17 +119,12 @@ class CheckpointSpec(_Strict):
     )
 
 
-def _name_is_optional(schema: dict[str, Any]) -> None:
-    # `name` is filled in from `task` before validation, so a document may leave it out.
-    schema["required"] = [f for f in schema.get("required", []) if f != "name"]
-
-
 class EvalSpec(_Strict):
     """A held-out set evaluated during the run: token-weighted, target-only cross-entropy and
     perplexity of its records, at step 0 (the baseline), every `every_steps` and at each
     phase's end."""
 
-    model_config = ConfigDict(json_schema_extra=_name_is_optional)
+    model_config = ConfigDict(json_schema_extra=name_optional_in_schema)
 
     name: Name = Field(
         description="What the set's results are stored and answered under; by default its "

@@ -404,8 +404,8 @@ def job_public(job: Job) -> JobPublic:
             "request": job.request,
             "result": job.result,
             "error": job.error,
-            "created_at": job.created_at.isoformat(),
-            "finished_at": _iso(job.finished_at),
+            "created_at": job.created_at,
+            "finished_at": job.finished_at,
             "deliveries": job.deliveries,
         }
     )

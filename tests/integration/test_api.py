@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from weights import write_weights_file
 
+from contracts.api import EvalSummaryPublic, MetricSeriesPublic
 from contracts.dispatch import RUN_PHASE_TASK
 from contracts.reports import Claim, ClaimRequest
 from service.api.app import create_app
@@ -443,6 +444,9 @@ def test_worker_protocol_runs_every_phase_to_success(
     assert sorted(sent) == sorted(a["id"] for a in final["attempts"])
 
     metrics = api.client.get(f"/runs/{run_id}/metrics", headers=api.admin).json()
+    # The document's model describes the answer whole (Postgres writes the body; read into the
+    # model and written back it is the same JSON).
+    assert MetricSeriesPublic.model_validate(metrics).model_dump(mode="json") == metrics
     assert metrics["loss"]["steps"] == [*range(1, 11), 20, 30]
     assert metrics["loss"]["values"][3] == 42.0
     assert metrics["lr"] == {"steps": [1], "values": [0.01]}
@@ -453,12 +457,14 @@ def test_worker_protocol_runs_every_phase_to_success(
     thin = api.client.get(
         f"/runs/{run_id}/metrics", params={"names": "loss", "max_points": 4}, headers=api.admin
     ).json()
+    assert MetricSeriesPublic.model_validate(thin).model_dump(mode="json") == thin
     assert len(thin["loss"]["steps"]) <= 4
     assert thin["loss"]["steps"][0] == 1
     assert thin["loss"]["steps"][-1] == 30
 
     evals = api.client.get(f"/runs/{run_id}/eval", headers=api.admin).json()
     assert evals["run_id"] == run_id
+    assert EvalSummaryPublic.model_validate(evals).model_dump(mode="json") == evals
     summary = evals["tasks"]["summarization"]
     assert summary["baseline"]["step"] == 0
     assert summary["latest"]["step"] == 10
@@ -651,9 +657,9 @@ def test_the_eval_answer_counts_skipped_records_by_reason_and_names_the_latest_e
         point = {**eval_point(step, 4.0), "skipped_records": skipped}
         assert worker.evals([{**point, "skipped_examples": [example]}]).json() == {"accepted": 1}
 
-    summary = api.client.get(f"/runs/{run_id}/eval", headers=api.admin).json()["tasks"][
-        "summarization"
-    ]
+    answer = api.client.get(f"/runs/{run_id}/eval", headers=api.admin).json()
+    assert EvalSummaryPublic.model_validate(answer).model_dump(mode="json") == answer
+    summary = answer["tasks"]["summarization"]
     assert [p["skipped_records"] for p in summary["history"]] == [{}, skipped, skipped]
     assert summary["baseline"]["skipped_records"] == {}
     assert summary["latest"]["skipped_records"] == skipped

@@ -23,7 +23,9 @@ from contracts.api import (
     CheckpointPublic,
     CheckpointsPublic,
     EvalByPhase,
+    EvalSummaryPublic,
     LedgerPublic,
+    MetricSeriesPublic,
     RunComparison,
     RunCreate,
     RunPublic,
@@ -95,7 +97,16 @@ def _csv(body: Any, run_id: str, what: str) -> StreamingResponse:
     )
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {
+            "model": RunPublic,
+            "description": "The run an earlier request with this Idempotency-Key and body created",
+        }
+    },
+)
 def submit_run(
     body: RunCreate,
     session: SessionDep,
@@ -275,7 +286,14 @@ def cancel(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic
     return _public(session, settings, cancel_run(session=session, run_id=run.id))
 
 
-@router.get("/{run_id}/metrics", response_class=JSONResponse, responses=CSV_RESPONSE)
+# The JSON bodies below are written without the response model (as Postgres wrote them, or
+# read straight from rows); the model documents them and is what a client reads them into.
+@router.get(
+    "/{run_id}/metrics",
+    response_model=MetricSeriesPublic,
+    response_class=JSONResponse,
+    responses=CSV_RESPONSE,
+)
 def read_metrics(
     run: RunDep,
     session: SessionDep,
@@ -303,7 +321,12 @@ def read_metrics(
     )
 
 
-@router.get("/{run_id}/eval", response_class=JSONResponse, responses=CSV_RESPONSE)
+@router.get(
+    "/{run_id}/eval",
+    response_model=EvalSummaryPublic,
+    response_class=JSONResponse,
+    responses=CSV_RESPONSE,
+)
 def read_eval(
     run: RunDep, session: SessionDep, max_points: MaxPoints = None, format: Format = "json"
 ) -> Response:

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Body, Depends, Response, status
 from sqlalchemy.orm import Session
 
 from contracts.api import WorkflowPublic, WorkflowValidation
+from contracts.documented import DocumentedAs
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import plan
 from service import access
@@ -22,7 +23,11 @@ from service.settings import ServiceSettings
 
 router = APIRouter(prefix="/workflows", tags=["workflows"], dependencies=[Depends(require_api)])
 
-WorkflowDocument = Annotated[Any, Body(description="a workflow document (JSON object)")]
+# Received raw (any JSON) so that parse_workflow reports every problem at once with its JSON
+# path; published as the Workflow's schema (contracts.documented.DocumentedAs).
+WorkflowDocument = Annotated[
+    Any, DocumentedAs(WorkflowSpec), Body(description="a workflow document (JSON object)")
+]
 
 
 def _parse(doc: Any, session: Session, settings: ServiceSettings, token: ApiToken) -> WorkflowSpec:
@@ -48,7 +53,16 @@ def validate(
     return WorkflowValidation(valid=True, plan=plan(spec))
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {
+            "model": WorkflowPublic,
+            "description": "This token stored or ran the same workflow before",
+        }
+    },
+)
 def create_workflow(
     doc: WorkflowDocument,
     session: SessionDep,

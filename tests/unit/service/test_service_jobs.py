@@ -9,6 +9,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.jobs import InspectionReport, InspectRequest, LengthStats
+from contracts.jobs import Job as JobPublic
 from contracts.reports import EvalResult
 from service.api.app import create_app
 from service.auth import create_token
@@ -319,6 +321,25 @@ def test_succeeded_result_is_stored_and_returned(api: Api) -> None:
     assert read["result"] == report()
     assert read["finished_at"] is not None
     assert InspectionReport.model_validate(read["result"]).refused == 1
+
+
+def test_a_job_answers_its_times_as_before_and_its_model_reads_them_as_date_times(
+    api: Api,
+) -> None:
+    job = submit_inspection(api)
+    start(api, job["id"])
+    post_result(api, job["id"], status="succeeded", result=report())
+    read = api.client.get(f"/datasets/inspections/{job['id']}", headers=api.admin).json()
+    with api.sessions() as session:
+        stored = session.get(Job, job["id"])
+        assert stored is not None and stored.finished_at is not None
+        # As isoformat writes them, as jobs always answered (not pydantic's `Z`).
+        assert read["created_at"] == stored.created_at.isoformat()
+        assert read["finished_at"] == stored.finished_at.isoformat()
+    public = JobPublic.model_validate(read)
+    assert isinstance(public.created_at, datetime) and isinstance(public.finished_at, datetime)
+    # The model describes the whole answer: read and written back, it is the same JSON.
+    assert public.model_dump(mode="json") == read
 
 
 def test_failed_result_keeps_the_message(api: Api) -> None:
