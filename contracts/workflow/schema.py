@@ -55,8 +55,7 @@ def name_optional_in_schema(schema: dict[str, Any]) -> None:
     `name` is not required, as the model does not require it (the schema would otherwise
     refuse a document the model takes)."""
     schema["required"] = [field for field in schema.get("required", []) if field != "name"]
-    name = schema["properties"]["name"]
-    name["description"] = f"{name.get('description', '').rstrip()} Default: the task.".lstrip()
+    schema["properties"]["name"].setdefault("description", "default: the task")
 
 
 class _Strict(BaseModel):
