@@ -22,6 +22,10 @@ class WorkerSettings(BaseSettings):
     # The bearer token of `/internal/...`; workers hold no database credentials. A secret:
     # `**********` in every repr, str and dump; `get_secret_value()` where it is sent.
     worker_token: SecretStr = SecretStr("")
+    # A file holding the worker token, read at each request instead of `worker_token` (which
+    # stays the fallback while the file cannot be read): the embedded stack passes its
+    # `<home>/worker-token`, which rotating that token rewrites, so no worker needs a restart.
+    worker_token_file: Path | None = None
     home: Path = Path("~/.trainctl")
     # Empty means the embedded broker: `filesystem://<home>/broker`.
     broker_url: str = ""
