@@ -299,9 +299,9 @@ class _CheckedReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any) -> Metadata:
         metadata = read_metadata(self._step)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # as DCP's own reader does
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id  # as DCP's own reader does
+        metadata.storage_meta = storage
         return metadata
 
 
