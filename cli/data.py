@@ -47,7 +47,7 @@ def data_inspect(
         Path | None,
         typer.Option(
             help="Write the records training would take to this file (the original lines), "
-            "leaving out the refused ones and those with no target."
+            "leaving out the refused ones and those with no target. Local only: not with --remote."
         ),
     ] = None,
     remote: RemoteOpt = False,

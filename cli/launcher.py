@@ -52,16 +52,18 @@ def up(
 ) -> None:
     """Run the embedded stack: the API on SQLite plus worker processes over a broker folder.
     A worker that exits is started again (after 1 s, doubling up to 60 s while it keeps
-    exiting); each restart is logged and counted in /metrics (trainctl_worker_restarts).
+    exiting); each restart is logged and counted in /metrics (trainctl_worker_restarts_total).
 
-    The first start writes an admin token to $TRAINCTL_HOME/token (mode 0600)."""
+    The first start writes an admin token to <home>/token (TRAINCTL_HOME, default
+    ~/.trainctl; mode 0600), which the CLI reads. Rotating it, or the workers' token in
+    <home>/worker-token, rewrites the file: nothing needs a restart."""
     import uvicorn
     from prometheus_client import Counter
 
     from cli.stack import Supervisor, spawn, stop
     from runtime.logs import configure_logging
     from service.api.app import create_app
-    from service.auth import ensure_tokens
+    from service.auth import WORKER_TOKEN_FILE, ensure_tokens
     from service.db import upgrade_database
     from service.settings import ServiceSettings
 
@@ -76,6 +78,8 @@ def up(
         "TRAINCTL_BROKER_URL": settings.broker_url,
         "TRAINCTL_QUEUE": settings.queue,
         "TRAINCTL_WORKER_TOKEN": tokens.worker,
+        # Read at each request: rotating the embedded worker's token rewrites this file.
+        "TRAINCTL_WORKER_TOKEN_FILE": str(settings.home / WORKER_TOKEN_FILE),
     }
     logs = settings.home / "logs"
     logs.mkdir(exist_ok=True)

@@ -168,7 +168,8 @@ def runs_pause(run_id: RunId, as_json: JsonOpt = False) -> None:
 
 @runs_app.command("cancel")
 def runs_cancel(run_id: RunId, as_json: JsonOpt = False) -> None:
-    """Stop a run for good, without a new checkpoint."""
+    """Stop a run now, without a new checkpoint; `runs resume` can still continue it from its
+    latest checkpoint."""
     _control(run_id, "cancel", as_json)
 
 

@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from cli.common import EXIT_BAD_INPUT, JsonOpt, console, err_console, fail
+from cli.config import get_settings
 
 tokens_app = typer.Typer(
     help="List, create, revoke and rotate API tokens (on the database: needs "
@@ -74,8 +75,7 @@ OutOpt = Annotated[
     Path | None,
     typer.Option(
         "--out",
-        help="Write the secret to this file (mode 0600, replaced whole) instead of printing it, "
-        "e.g. $TRAINCTL_HOME/token for the embedded admin token.",
+        help="Write the secret to this file (mode 0600, replaced whole) instead of printing it.",
     ),
 ]
 
@@ -86,10 +86,10 @@ def tokens_create(
     role: Annotated[
         Role,
         typer.Option(
-            help="admin (everything), user (its own runs and jobs), viewer (reads only) or "
-            "worker (/internal only)."
+            help="user (its own runs and jobs; the default, as POST /tokens), viewer (reads "
+            "only), worker (/internal only) or admin (everything)."
         ),
-    ] = Role.admin,
+    ] = Role.user,
     out: OutOpt = None,
 ) -> None:
     """Create a token in the database named by TRAINCTL_DATABASE_URL and print it once."""
@@ -139,23 +139,47 @@ def tokens_list(
 
 
 @tokens_app.command("revoke")
-def tokens_revoke(token_id: TokenId) -> None:
-    """Revoke a token: the service refuses it from its next request on."""
-    from service.auth import revoke_token
+def tokens_revoke(
+    token_id: TokenId,
+    allow_self: Annotated[
+        bool,
+        typer.Option(
+            "--allow-self",
+            help="Revoke it even when it is the token this CLI uses (TRAINCTL_TOKEN, else "
+            "~/.trainctl/token): the CLI is locked out after.",
+        ),
+    ] = False,
+) -> None:
+    """Revoke a token: the service refuses it from its next request on. The token this CLI
+    itself uses is refused without --allow-self."""
+    from service.auth import find_token, revoke_token
 
+    own = get_settings().resolved_token()
     with _token_session() as session:
-        row = _token_call(lambda: revoke_token(session=session, token_id=token_id, **_cli_actor()))
+        mine = find_token(session=session, token=own) if own else None
+        row = _token_call(
+            lambda: revoke_token(
+                session=session,
+                token_id=token_id,
+                caller=None if mine is None else mine.id,
+                allow_self=allow_self,
+                **_cli_actor(),
+            )
+        )
         print(f"revoked {row.id} ({row.name}, {row.role})")
 
 
 @tokens_app.command("rotate")
 def tokens_rotate(token_id: TokenId, out: OutOpt = None) -> None:
     """Give a token a new secret (same id, role and runs) and print it once; the old secret is
-    refused from the next request on."""
+    refused from the next request on. The embedded stack's token files (~/.trainctl/token and
+    worker-token, under TRAINCTL_HOME) that held the old secret are rewritten with the new one,
+    so its CLI and workers go on without a restart."""
     from service.auth import rotate_token
 
+    home = get_settings().home
     with _token_session() as session:
         _, secret = _token_call(
-            lambda: rotate_token(session=session, token_id=token_id, **_cli_actor())
+            lambda: rotate_token(session=session, token_id=token_id, home=home, **_cli_actor())
         )
     _write_secret(secret, out)

@@ -116,10 +116,29 @@ def get_token(*, session: Session, token_id: str, lock: bool = False) -> ApiToke
 
 
 def revoke_token(
-    *, session: Session, token_id: str, actor_name: str | None = None, address: str | None = None
+    *,
+    session: Session,
+    token_id: str,
+    caller: str | None = None,
+    allow_self: bool = False,
+    actor_name: str | None = None,
+    address: str | None = None,
 ) -> ApiToken:
-    """Revoke the token and commit with its audit event; a revoked token again is a no-op."""
+    """Revoke the token and commit with its audit event; a revoked token again is a no-op.
+    `caller`: the id of the token the request is made with (or the one the CLI itself uses),
+    which may revoke itself only with `allow_self`: 409 `revoking_own_token` otherwise, since
+    that locks the caller out (the embedded stack's CLI, say, whose token is in its home)."""
     row = get_token(session=session, token_id=token_id, lock=True)
+    if row.revoked_at is None and token_id == caller and not allow_self:
+        session.rollback()
+        raise ApiError(
+            409,
+            "revoking_own_token",
+            f"token {token_id} ({row.name!r}) is the one this request is made with: revoking it "
+            "locks this client out; rotate it instead (its token file is rewritten), or revoke "
+            "it with allow_self=true (`trainctl tokens revoke --allow-self`)",
+            {"token_id": token_id},
+        )
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         _record(session, "token.revoke", row, actor_name=actor_name, address=address)
@@ -128,11 +147,20 @@ def revoke_token(
 
 
 def rotate_token(
-    *, session: Session, token_id: str, actor_name: str | None = None, address: str | None = None
+    *,
+    session: Session,
+    token_id: str,
+    home: Path | None = None,
+    actor_name: str | None = None,
+    address: str | None = None,
 ) -> tuple[ApiToken, str]:
     """Give the token a new secret and commit with its audit event; return the row and the
     new secret. The old secret is refused from the next request on; id, name, role and what the
-    token owns stay. 409 `token_revoked` for a revoked token."""
+    token owns stay. 409 `token_revoked` for a revoked token.
+
+    With `home`, the embedded stack's token files there (`token`, `worker-token`) that held the
+    old secret are rewritten with the new one, after the commit: the CLI and the embedded
+    workers read them at each request, so rotating their token locks nobody out."""
     row = get_token(session=session, token_id=token_id, lock=True)
     if row.revoked_at is not None:
         session.rollback()
@@ -142,12 +170,31 @@ def rotate_token(
             f"token {token_id} ({row.name!r}) was revoked; create a new one instead",
             {"token_id": token_id},
         )
+    old = row.token_sha256
     token = new_token()
     row.token_sha256 = hash_token(token)
     row.rotated_at = utcnow()
     _record(session, "token.rotate", row, actor_name=actor_name, address=address)
     session.commit()
+    if home is not None:
+        rewrite_token_files(home=home, old_sha256=old, token=token)
     return row, token
+
+
+def rewrite_token_files(*, home: Path, old_sha256: str, token: str) -> list[Path]:
+    """Write `token` into each embedded token file under `home` that holds the secret whose
+    SHA-256 is `old_sha256`; return the files rewritten."""
+    rewritten = []
+    for name in (ADMIN_TOKEN_FILE, WORKER_TOKEN_FILE):
+        path = Path(home) / name
+        try:
+            held = path.read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if held and hash_token(held) == old_sha256:
+            write_token_file(path, token)
+            rewritten.append(path)
+    return rewritten
 
 
 def write_token_file(path: Path, token: str) -> None:

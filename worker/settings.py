@@ -25,6 +25,13 @@ class WorkerSettings(BaseSettings):
         description="The worker's bearer token (role `worker`) for the API's internal routes; "
         "workers hold no database credentials.",
     )
+    worker_token_file: Path | None = Field(
+        None,
+        description="A file holding the worker token, read at each request instead of "
+        "worker_token (which stays the fallback while the file cannot be read): the embedded "
+        "stack passes its <home>/worker-token, which rotating that token rewrites, so no worker "
+        "needs a restart.",
+    )
     home: Path = Field(
         Path("~/.trainctl"),
         description="The worker's folder: the default broker and artifact store, and the spool "

@@ -18,9 +18,10 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.models import Attempt, Job, Run
+from service.models import ATTEMPT_STATUSES, RUN_STATUSES, Attempt, Job, Run
 
 router = APIRouter(tags=["observability"])
 
@@ -53,14 +54,20 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("trainctl_database_up", "1 when the last scrape read the database.")
         try:
             with self.session_factory() as session:
-                for status, n in session.execute(
-                    select(Run.status, func.count()).group_by(Run.status)
-                ):
-                    runs.add_metric([status], n)
-                for status, n in session.execute(
-                    select(Attempt.status, func.count()).group_by(Attempt.status)
-                ):
-                    attempts.add_metric([status], n)
+                # Every status, zero included: a series that vanishes at zero reads as "no
+                # data" on a dashboard, and rate() or an alert on it never sees it reach zero.
+                run_counts = dict(
+                    session.execute(select(Run.status, func.count()).group_by(Run.status)).all()
+                )
+                attempt_counts = dict(
+                    session.execute(
+                        select(Attempt.status, func.count()).group_by(Attempt.status)
+                    ).all()
+                )
+                for status in RUN_STATUSES:
+                    runs.add_metric([status], run_counts.get(status, 0))
+                for status in ATTEMPT_STATUSES:
+                    attempts.add_metric([status], attempt_counts.get(status, 0))
                 total = session.scalar(select(func.count()).select_from(Attempt)) or 0
                 recoveries.add_metric([], total - _distinct_phases(session))
                 resent = session.scalar(select(func.sum(Attempt.redispatches))) or 0
@@ -142,9 +149,17 @@ class MetricsMiddleware:
 
 
 def _route_template(scope: Scope) -> str:
-    """`/runs/{run_id}` rather than the concrete path: bounded label values. The router
-    records the route it matched in the scope."""
+    """`/runs/{run_id}` rather than the concrete path: bounded label values. FastAPI's own
+    routes record the route they matched in the scope; the plain Starlette routes FastAPI adds
+    (`/openapi.json`, `/docs`, `/redoc`) do not, so those are matched again here, which costs
+    a walk of the routes for them and for paths that match nothing."""
     route = scope.get("route")
+    if route is None:
+        app = scope.get("app")
+        for candidate in getattr(getattr(app, "router", None), "routes", ()):
+            if isinstance(candidate, Route) and candidate.matches(scope)[0] is Match.FULL:
+                route = candidate
+                break
     return str(route.path) if route is not None and hasattr(route, "path") else "unmatched"
 
 

@@ -112,7 +112,8 @@ def pause_run(*, session: Session, run_id: str, judge_leases: bool = True) -> Ru
 def cancel_run(*, session: Session, run_id: str) -> Run:
     """Cancel a run at once: it becomes `cancelled` and its queued or running attempt
     `superseded` (its worker's next heartbeat answers `stop`; its reports are refused).
-    Repeating it changes nothing. 409 `run_finished` for a succeeded or failed run. Commits."""
+    Repeating it changes nothing. 409 `run_finished` for a succeeded or failed run. Commits.
+    A cancelled run stays resumable (service.runs.resume), from its latest checkpoint."""
     run, current = _lock(session, run_id)
     if run.status == RunStatus.CANCELLED:
         session.rollback()

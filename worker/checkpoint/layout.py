@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.checkpoint.manifest import check
+from worker.checkpoint.manifest import MANIFEST, check
 from worker.checkpoint.shards import SHARDS_METADATA
 from worker.error import CheckpointError
 from worker.files import fsync_dir
@@ -39,7 +39,6 @@ STATE = "state.json"
 # part of their own: a worker from before them reads state.json's keys strictly, and so still
 # resumes the checkpoint (the manifest lists this file, which it checks and leaves unread).
 LEDGER = "ledger.json"
-MANIFEST = "manifest.json"
 
 _STEP_PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"

@@ -6,12 +6,17 @@ reads what another wrote: rank 0 for most of a checkpoint, each rank for the sha
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TypedDict
 
 from contracts.signature import sha256_file
 from worker.error import CheckpointError
+
+# A step directory's list of its files with their digests, written last: the checkpoint exists
+# only once this does (worker.checkpoint.writer).
+MANIFEST = "manifest.json"
 
 
 class Entry(TypedDict):
@@ -28,6 +33,18 @@ def describe(
         name: {"sha256": sha256_file(root / name, progress), "size": (root / name).stat().st_size}
         for name in names
     }
+
+
+def entry_of(root: Path, name: str) -> Entry:
+    """The manifest's entry of the file `name` of the step directory `root`; CheckpointError
+    when the manifest is unreadable or does not list it."""
+    try:
+        files = json.loads((root / MANIFEST).read_text())["files"]
+        return Entry(sha256=str(files[name]["sha256"]), size=int(files[name]["size"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {root}: its {MANIFEST} gives no digest of {name} ({err!r})"
+        ) from err
 
 
 def check(

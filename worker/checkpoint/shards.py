@@ -22,11 +22,21 @@ starts from it.
 
 Reading reshards: DCP reads, for each rank, the parts of the saved shards that its own tensors
 cover, whatever the number of ranks that wrote them; one process without a process group reads
-every tensor whole. Only tensors go through DCP (nothing is unpickled).
+every tensor whole. The tensors go through DCP as `torch.load(weights_only=True)`. DCP's
+`.metadata` (which tensors, their sizes and where each shard lies) is a pickle, which DCP reads
+with plain `pickle.load`; it is never read so here (`_CheckedReader`): its bytes are read once
+into memory, their SHA-256 must be the one the step directory's manifest lists (which the
+checkpoint's verification checked against every other file), and they are unpickled by an
+unpickler that can build DCP's metadata classes, tensor sizes, dtypes, layouts and paths, and
+nothing else: a tampered `.metadata` is refused before a byte of it is unpickled, and a forged
+one (manifest rewritten to match) can name no function to call.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import pickle
 import re
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -220,6 +230,81 @@ class ShardWriter:
             self._stager.close()
 
 
+# What DCP's `.metadata` pickle names (torch 2.x's FileSystemWriter): its metadata classes,
+# torch.Size, dtypes (below), layouts by name, and the checkpoint's path. Nothing that runs code.
+_METADATA_GLOBALS = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "TensorProperties",
+                "ChunkStorageMetadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and refuses any other global (a pickle's way to run code)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(step: Path) -> Metadata:
+    """The DCP metadata of the sharded checkpoint in the step directory `step`: read once,
+    checked against the manifest's SHA-256 and size of it, then unpickled with DCP's metadata
+    classes only. CheckpointError, naming the file, otherwise."""
+    expected = manifest.entry_of(step, SHARDS_METADATA)
+    data = (step / SHARDS_METADATA).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if (digest, len(data)) != (expected["sha256"], expected["size"]):
+        raise CheckpointError(
+            f"checkpoint {step}: {SHARDS_METADATA} has SHA-256 {digest} ({len(data)} bytes), "
+            f"the manifest says {expected['sha256']} ({expected['size']} bytes); not unpickled"
+        )
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {step}: {SHARDS_METADATA} refused: {err}") from err
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {step}: {SHARDS_METADATA} holds no DCP metadata")
+    return metadata
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata read by `read_metadata` instead of `pickle.load`.
+    No `**kwargs` in `read_metadata`: DCP then never falls back to per-rank metadata files."""
+
+    def __init__(self, step: Path) -> None:
+        super().__init__(str(step / SHARDS))
+        self._step = step
+
+    def read_metadata(self, *args: Any) -> Metadata:
+        metadata = read_metadata(self._step)
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id  # as DCP's own reader does
+        metadata.storage_meta = storage
+        return metadata
+
+
 def read_shards(
     path: Path,
     *,
@@ -233,7 +318,8 @@ def read_shards(
     shards), that state completed with its saved tensors, shaped as the live parameters are
     (DTensors sharded like them, or whole). A collective over `group` when one is given (every
     rank reads at once), else one process reading everything."""
-    metadata = dcp.FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata
+    reader = _CheckedReader(path)
+    metadata = reader.read_metadata().state_dict_metadata
     live = model.state_dict()
     targets: dict[str, torch.Tensor] = {}
     if weights:
@@ -271,7 +357,7 @@ def read_shards(
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(
             targets,
-            checkpoint_id=str(path / SHARDS),
+            storage_reader=reader,
             process_group=group,
             no_dist=group is None,
         )

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -71,6 +72,31 @@ class ServiceUnavailable(ServiceError):
     """The service stayed unreachable, or kept answering 5xx, through every retry."""
 
 
+class WorkerAuth(httpx.Auth):
+    """The worker token as the bearer token of each request: read from `file` at each request
+    when there is one (a rotation rewrites it; worker.settings), else `token`."""
+
+    def __init__(self, token: str, file: Path | None = None) -> None:
+        self._token, self._file = token, file
+
+    def current(self) -> str:
+        if self._file is not None:
+            try:
+                if held := self._file.read_text().strip():
+                    return held
+            except OSError:
+                pass  # e.g. being replaced: the token of the environment until it is back
+        return self._token
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers["Authorization"] = f"Bearer {self.current()}"
+        yield request
+
+    @classmethod
+    def of(cls, settings: WorkerSettings) -> WorkerAuth:
+        return cls(settings.worker_token.get_secret_value(), settings.worker_token_file)
+
+
 class ServiceClient:
     """Retries only what is transient (connection errors, timeouts, 5xx), a bounded number of
     times with a doubling pause; a 4xx is an answer and is never retried."""
@@ -78,7 +104,7 @@ class ServiceClient:
     def __init__(
         self,
         api_url: str,
-        token: str,
+        token: str | WorkerAuth,
         *,
         timeout_seconds: float = 30.0,
         retries: int = 3,
@@ -87,7 +113,7 @@ class ServiceClient:
     ) -> None:
         self._http = httpx.Client(
             base_url=api_url.rstrip("/"),
-            headers={"Authorization": f"Bearer {token}"},
+            auth=token if isinstance(token, WorkerAuth) else WorkerAuth(token),
             timeout=timeout_seconds,
             transport=transport,
         )
@@ -96,7 +122,7 @@ class ServiceClient:
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> ServiceClient:
-        return cls(settings.api_url, settings.worker_token.get_secret_value())
+        return cls(settings.api_url, WorkerAuth.of(settings))
 
     def close(self) -> None:
         self._http.close()

@@ -20,6 +20,7 @@ from contracts.dispatch import served_queues
 from contracts.reports import WorkerPing
 from runtime.broker import broker_options
 from runtime.logs import configure_logging
+from worker.link.client import WorkerAuth
 from worker.process.launch import owned_devices
 from worker.settings import WorkerSettings, get_settings
 
@@ -100,9 +101,9 @@ def ping_service(settings: WorkerSettings, stopped: threading.Event) -> None:
         devices=len(ids),
         device_kind=kind,
     )
-    headers = {"Authorization": f"Bearer {settings.worker_token.get_secret_value()}"}
     failing = False
-    with httpx.Client(base_url=settings.api_url, headers=headers, timeout=5.0) as http:
+    auth = WorkerAuth.of(settings)
+    with httpx.Client(base_url=settings.api_url, auth=auth, timeout=5.0) as http:
         while True:
             try:
                 http.post("/internal/workers/ping", json=ping.model_dump()).raise_for_status()

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.bounds import NO_NUL
 from service.access import READ_ROLES, WRITE_ROLES
-from service.api.deps import AnyTokenDep, SessionDep, require_admin
+from service.api.deps import AdminDep, AnyTokenDep, SessionDep, SettingsDep, require_admin
 from service.auth import issue_token, list_tokens, revoke_token, rotate_token
 from service.models import ApiToken, TokenRole
 
@@ -99,16 +99,29 @@ def create(body: TokenCreate, session: SessionDep) -> TokenIssued:
 
 
 @admin.delete("/{token_id}")
-def revoke(token_id: str, session: SessionDep) -> TokenPublic:
-    """Revoke the token: refused from the next request on. Again is a no-op."""
-    return _public(revoke_token(session=session, token_id=token_id))
+def revoke(
+    token_id: str,
+    session: SessionDep,
+    caller: AdminDep,
+    allow_self: Annotated[
+        bool,
+        Query(description="revoke the very token this request is made with (locks it out)"),
+    ] = False,
+) -> TokenPublic:
+    """Revoke the token: refused from the next request on. Again is a no-op. The token this
+    request is made with is refused (409 `revoking_own_token`) unless `allow_self=true`."""
+    return _public(
+        revoke_token(session=session, token_id=token_id, caller=caller.id, allow_self=allow_self)
+    )
 
 
 @admin.post("/{token_id}/rotate")
-def rotate(token_id: str, session: SessionDep) -> TokenIssued:
+def rotate(token_id: str, session: SessionDep, settings: SettingsDep) -> TokenIssued:
     """A new secret for the token (same id, name, role and runs); the old one is refused from
-    the next request on. 409 `token_revoked` for a revoked token."""
-    row, secret = rotate_token(session=session, token_id=token_id)
+    the next request on. An embedded token file in the service's home that held the old secret
+    (`token`, `worker-token`) is rewritten with the new one. 409 `token_revoked` for a revoked
+    token."""
+    row, secret = rotate_token(session=session, token_id=token_id, home=settings.home)
     return TokenIssued(token=_public(row), secret=secret)
 
 

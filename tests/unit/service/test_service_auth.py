@@ -146,3 +146,49 @@ def test_a_token_file_is_written_0600_whatever_the_umask_and_the_file_before(
     assert path.read_text() == "new-secret\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in path.parent.iterdir()] == ["token"]  # no temporary file left
+
+
+def test_rotating_an_embedded_token_rewrites_the_file_that_held_it(
+    session: Session, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    admin = ensure_admin_token(session=session, home=home)
+    worker = ensure_worker_token(session=session, home=home)
+    assert admin is not None and worker is not None
+    by_name = {row.name: row for row in list_tokens(session=session)}
+
+    _, new_admin = rotate_token(session=session, token_id=by_name["admin (embedded)"].id, home=home)
+    assert (home / "token").read_text().strip() == new_admin
+    assert (home / "worker-token").read_text().strip() == worker  # not the token rotated
+    assert stat.S_IMODE((home / "token").stat().st_mode) == 0o600
+
+    _, new_worker = rotate_token(
+        session=session, token_id=by_name["worker (embedded)"].id, home=home
+    )
+    assert (home / "worker-token").read_text().strip() == new_worker
+    assert (home / "token").read_text().strip() == new_admin
+
+    # Another token's rotation, or one without a home, leaves the files alone.
+    other = find_token(session=session, token=create_token(session=session, name="x", role="user"))
+    assert other is not None
+    rotate_token(session=session, token_id=other.id, home=home)
+    rotate_token(session=session, token_id=by_name["admin (embedded)"].id)
+    assert (home / "token").read_text().strip() == new_admin
+
+
+def test_revoking_the_callers_own_token_is_refused_unless_allowed(session: Session) -> None:
+    own = find_token(session=session, token=create_token(session=session, name="me", role="admin"))
+    assert own is not None
+    with pytest.raises(ApiError) as refused:
+        revoke_token(session=session, token_id=own.id, caller=own.id)
+    assert (refused.value.status, refused.value.code) == (409, "revoking_own_token")
+    assert "allow_self=true" in refused.value.message
+    assert own.revoked_at is None
+
+    other = find_token(session=session, token=create_token(session=session, name="o", role="user"))
+    assert other is not None
+    assert revoke_token(session=session, token_id=other.id, caller=own.id).revoked_at is not None
+    revoked = revoke_token(session=session, token_id=own.id, caller=own.id, allow_self=True)
+    assert revoked.revoked_at is not None
+    # Revoked already: again is the no-op it always was, not a refusal.
+    revoke_token(session=session, token_id=own.id, caller=own.id)

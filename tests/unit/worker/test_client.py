@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +15,14 @@ from contracts.reports import (
     Heartbeat,
     MetricPoint,
 )
-from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
+from worker.link.client import (
+    ServiceClient,
+    ServiceError,
+    ServiceUnavailable,
+    Superseded,
+    WorkerAuth,
+)
+from worker.settings import WorkerSettings
 
 
 def client_answering(
@@ -55,6 +63,30 @@ def test_requests_carry_the_worker_token_and_json_bodies() -> None:
         "step": 9,
         "progress": 4,
     }
+
+
+def test_a_worker_token_file_is_read_at_each_request(tmp_path: Path) -> None:
+    """The embedded stack's workers read <home>/worker-token per request: a rotation rewrites
+    it, and the next request carries the new secret, no restart."""
+    file = tmp_path / "worker-token"
+    file.write_text("first\n")
+    settings = WorkerSettings(worker_token="from-env", worker_token_file=file)
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["authorization"])
+        return httpx.Response(200, json={"action": "continue", "lease_seconds": 30})
+
+    client = ServiceClient(
+        "http://service", WorkerAuth.of(settings), transport=httpx.MockTransport(handler)
+    )
+    beat = Heartbeat(fencing_token="secret-a1", step=1)
+    client.heartbeat("a1", beat)
+    file.write_text("rotated\n")
+    client.heartbeat("a1", beat)
+    file.unlink()  # unreadable: the environment's token meanwhile
+    client.heartbeat("a1", beat)
+    assert seen == ["Bearer first", "Bearer rotated", "Bearer from-env"]
 
 
 @pytest.mark.parametrize("code", ["already_claimed", "superseded"])
