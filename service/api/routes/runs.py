@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import (
     APIRouter,
@@ -70,14 +70,19 @@ MaxPoints = Annotated[
     int | None,
     Query(ge=1, le=MAX_COUNT, description="keep at most this many points per series"),
 ]
-Format = Annotated[
-    Literal["json", "csv"],
-    Query(description="`csv`: text/csv with the columns service.reads.export documents"),
-]
-CSV_MEDIA_TYPE = "text/csv; charset=utf-8"
 MAX_TAG_FILTERS = 8
+
+
+class CSVResponse(StreamingResponse):
+    """A CSV body, streamed; the document lists its 200 as `text/csv` only, so a generated
+    client reads it as text and never tries it as JSON."""
+
+    media_type = "text/csv"
+    charset = "utf-8"
+
+
 CSV_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/csv": {"schema": {"type": "string"}}}}
+    200: {"content": {"text/csv": {"schema": {"type": "string"}}}, "description": "CSV rows"}
 }
 
 
@@ -87,10 +92,10 @@ def _query_error(field: str, message: str) -> RequestValidationError:
     )
 
 
-def _csv(body: Any, run_id: str, what: str) -> StreamingResponse:
-    return StreamingResponse(
+def _csv(body: Any, run_id: str, what: str) -> CSVResponse:
+    return CSVResponse(
         body,
-        media_type=CSV_MEDIA_TYPE,
+        media_type="text/csv; charset=utf-8",
         headers={"Content-Disposition": f'attachment; filename="{run_id}-{what}.csv"'},
     )
 
@@ -275,26 +280,12 @@ def cancel(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic
     return _public(session, settings, cancel_run(session=session, run_id=run.id))
 
 
-@router.get("/{run_id}/metrics", response_class=JSONResponse, responses=CSV_RESPONSE)
+@router.get("/{run_id}/metrics")
 def read_metrics(
-    run: RunDep,
-    session: SessionDep,
-    request: Request,
-    names: MetricNamesDep,
-    max_points: MaxPoints = None,
-    format: Format = "json",
+    run: RunDep, session: SessionDep, names: MetricNamesDep, max_points: MaxPoints = None
 ) -> Response:
-    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null. `format=csv`:
-    `run_id,name,step,value`, a row per point in (name, step) order, non-finite values empty;
-    every point unless `max_points` thins the series (read in pages, streamed)."""
-    if format == "csv":
-        body = metrics_csv(
-            sessions=request.app.state.session_factory,
-            run_id=run.id,
-            names=names,
-            max_points=max_points,
-        )
-        return _csv(body, run.id, "metrics")
+    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null. The same
+    series as CSV: `GET /runs/{id}/metrics.csv`."""
     # The body as Postgres wrote it (service.reads.series.metric_series_json): no point is parsed
     # or encoded in Python.
     return Response(
@@ -303,18 +294,34 @@ def read_metrics(
     )
 
 
-@router.get("/{run_id}/eval", response_class=JSONResponse, responses=CSV_RESPONSE)
-def read_eval(
-    run: RunDep, session: SessionDep, max_points: MaxPoints = None, format: Format = "json"
-) -> Response:
+@router.get("/{run_id}/metrics.csv", response_class=CSVResponse, responses=CSV_RESPONSE)
+def read_metrics_csv(
+    run: RunDep, request: Request, names: MetricNamesDep, max_points: MaxPoints = None
+) -> CSVResponse:
+    """`run_id,name,step,value`, a row per point in (name, step) order, non-finite values
+    empty; every point unless `max_points` thins the series (read in pages, streamed)."""
+    body = metrics_csv(
+        sessions=request.app.state.session_factory,
+        run_id=run.id,
+        names=names,
+        max_points=max_points,
+    )
+    return _csv(body, run.id, "metrics")
+
+
+@router.get("/{run_id}/eval")
+def read_eval(run: RunDep, session: SessionDep, max_points: MaxPoints = None) -> JSONResponse:
     """Per eval set: baseline (step 0), latest, best (lowest cross-entropy), history, and the
-    first records it skipped (`skipped_examples`). `format=csv`: `run_id,name,task,step,phase,
-    cross_entropy,perplexity,records,target_tokens,oversized_records,skipped_malformed_json,
-    skipped_wrong_shape,skipped_no_target`, a row per eval set and step (every one;
-    `max_points` is for JSON)."""
-    if format == "csv":
-        return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
+    first records it skipped (`skipped_examples`). As CSV: `GET /runs/{id}/eval.csv`."""
     return JSONResponse(eval_summary(session=session, run_id=run.id, max_points=max_points))
+
+
+@router.get("/{run_id}/eval.csv", response_class=CSVResponse, responses=CSV_RESPONSE)
+def read_eval_csv(run: RunDep, session: SessionDep) -> CSVResponse:
+    """`run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,
+    oversized_records,skipped_malformed_json,skipped_wrong_shape,skipped_no_target`, a row per
+    eval set and step (every one)."""
+    return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
 
 
 @router.get("/{run_id}/eval/phases")
