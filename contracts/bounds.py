@@ -9,7 +9,9 @@ field, never 500.
 
 from __future__ import annotations
 
-from pydantic import AfterValidator
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
 # Integer columns are 32-bit: steps, counts, pids, budgets, phase indices.
@@ -63,3 +65,20 @@ def replace_nul(value: str) -> str:
 # Annotated[str, NUL_REPLACED]: a message for people (an exception's text, say), stored in a
 # Text column. A NUL in it becomes U+FFFD instead of failing the report that carries it.
 NUL_REPLACED = AfterValidator(replace_nul)
+
+
+EMPTY_PATH = "is empty; give the path of a file or folder, absolute or relative to the data root"
+
+
+def refuse_empty_path(value: str) -> str:
+    if not value:
+        raise PydanticCustomError("empty_path", EMPTY_PATH)
+    return value
+
+
+# A file or folder a request names. The schema says `minLength: 1` (so a generated request is
+# never one the server refuses); an empty one is refused naming its field, with a message of
+# its own (pydantic's "at least 1 character" says nothing of paths).
+UserPath = Annotated[
+    str, Field(json_schema_extra={"minLength": 1}), AfterValidator(refuse_empty_path)
+]

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from contracts.bounds import MAX_COUNT, MAX_NAME, NO_NUL
+from contracts.bounds import MAX_COUNT, MAX_NAME, NO_NUL, UserPath
 
 Objective = Literal[
     "continued_pretrain",
@@ -61,7 +61,7 @@ class ModelSpec(_Strict):
     directory holding a pretrained model (`save_pretrained` output)."""
 
     config: dict[str, Any] | None = None
-    pretrained: str | None = None
+    pretrained: UserPath | None = None
 
 
 class OptimizerSpec(_Strict):
@@ -92,7 +92,7 @@ class EvalSpec(_Strict):
     # one task (a QA mixture and a RAG set, say) need names of their own.
     name: Name
     task: Objective
-    data: str
+    data: UserPath
     every_steps: PositiveInt = 100
     # One geometry for the whole run, so that every point of a task's history is comparable:
     # by default the longest sequence_length of the workflow (phases and their sources).
@@ -117,7 +117,7 @@ class DataSource(_Strict):
     `objective: continued_pretrain` and the pretraining stage's geometry, which must fill the
     same token envelope (`sequence_length x microbatch_size = microbatch_tokens`)."""
 
-    path: str
+    path: UserPath
     # A share of *tokens* (of the phase's envelope tokens), relative to the other sources.
     weight: float = Field(1.0, gt=0)
     # Names the source's metrics (`loss/<name>`); by default the file name without suffixes.
@@ -240,7 +240,7 @@ class SourceGeometry(BaseModel):
 class Workflow(_Strict):
     name: Name
     model: ModelSpec
-    tokenizer: str
+    tokenizer: UserPath
     seed: int = Field(0, ge=0, le=2**63 - 1)
     microbatch_tokens: PositiveInt
     optimizer: OptimizerSpec = OptimizerSpec()

@@ -181,19 +181,33 @@ def read_runs(
     )
 
 
+# What `ids` is, as the document says it: a comma-separated list (form style, not exploded:
+# `ids=a,b`), 2 to MAX_COMPARED distinct ids, each without a comma or whitespace, so that a
+# request the document allows is one the route takes (a generated client sends a list).
+COMPARED_IDS: dict[str, Any] = {
+    "name": "ids",
+    "in": "query",
+    "required": True,
+    "style": "form",
+    "explode": False,
+    "description": f"2 to {MAX_COMPARED} run ids, comma-separated; the first is the reference "
+    "the others' changes are measured against",
+    "schema": {
+        "type": "array",
+        "items": {"type": "string", "minLength": 1, "maxLength": 39, "pattern": r"^[^,\s]+$"},
+        "minItems": 2,
+        "maxItems": MAX_COMPARED,
+        "uniqueItems": True,
+    },
+}
+
+
 # Before GET /runs/{run_id}, which would otherwise take "compare" for a run id.
-@router.get("/compare")
+@router.get("/compare", openapi_extra={"parameters": [COMPARED_IDS]})
 def compare(
     session: SessionDep,
     token: ApiTokenDep,
-    ids: Annotated[
-        str,
-        Query(
-            max_length=MAX_COMPARED * 40,
-            description=f"2 to {MAX_COMPARED} run ids, comma-separated; the first is the "
-            "reference the others' changes are measured against",
-        ),
-    ],
+    ids: Annotated[str, Query(max_length=MAX_COMPARED * 40, include_in_schema=False)],
 ) -> RunComparison:
     """The runs' eval sets side by side (baseline, final and best per set and run, and each
     run's change against the first) and every signed input that differs between them, field

@@ -74,3 +74,19 @@ def test_every_answer_declares_one_media_type_and_csv_and_events_their_own(
         assert "format" not in {p["name"] for p in paths[path]["get"]["parameters"]}
     names = {p["name"] for p in paths["/runs/{run_id}/metrics.csv"]["get"]["parameters"]}
     assert names == {"run_id", "names", "max_points"}
+
+
+def test_the_document_says_what_a_request_needs(tmp_path: Path) -> None:
+    """What the server refuses, the schema says (so a request it allows is never refused):
+    one of workflow or workflow_id, two ids or more to compare."""
+    doc = create_app(ServiceSettings(home=tmp_path, broker_url="memory://")).openapi()
+    run_create = doc["components"]["schemas"]["RunCreate"]
+    assert [branch["required"] for branch in run_create["oneOf"]] == [
+        ["workflow"],
+        ["workflow_id"],
+    ]
+    (ids,) = doc["paths"]["/runs/compare"]["get"]["parameters"]
+    assert (ids["style"], ids["explode"]) == ("form", False)  # ids=a,b
+    assert ids["schema"]["minItems"] == 2 and ids["schema"]["uniqueItems"] is True
+    initial = run_create["properties"]["initial_checkpoint"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in initial
