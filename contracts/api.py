@@ -65,7 +65,12 @@ def check_tag(value: str) -> str:
     return value
 
 
-Tag = Annotated[str, Field(min_length=1, max_length=MAX_TAG), AfterValidator(check_tag)]
+# The schema's pattern says what check_tag refuses (its message is the one answered).
+Tag = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_TAG, json_schema_extra={"pattern": r"^[^\s,\u0000]*$"}),
+    AfterValidator(check_tag),
+]
 
 
 class Status(BaseModel):

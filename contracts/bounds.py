@@ -9,10 +9,11 @@ field, never 500.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field
-from pydantic_core import PydanticCustomError
+from pydantic import AfterValidator, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
 # Integer columns are 32-bit: steps, counts, pids, budgets, phase indices.
 MAX_COUNT = 2**31 - 1
@@ -54,8 +55,25 @@ def refuse_nul(value: str) -> str:
     return value
 
 
+class _NoNul:
+    """Refuses NUL (`refuse_nul`), and says so in the JSON Schema (a `pattern` without U+0000),
+    so that a request the document allows is one the server takes."""
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(refuse_nul, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        out = handler(schema)
+        out.setdefault("pattern", "^[^\\u0000]*$")
+        return out
+
+
 # Annotated[str, Field(max_length=...), NO_NUL]: a string stored in a String or Text column.
-NO_NUL = AfterValidator(refuse_nul)
+NO_NUL = _NoNul()
 
 
 def replace_nul(value: str) -> str:

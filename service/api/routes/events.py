@@ -326,7 +326,16 @@ class EventStream(EventSourceResponse):
     response_class=EventStream,
     responses={
         200: {
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            # The schema of one event, as clients and schemathesis read a stream: its name
+            # and its `data:` (one JSON object, as text).
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+                    }
+                }
+            },
             "description": "server-sent events",
         }
     },
