@@ -342,13 +342,11 @@ def runs_export(
     except OSError as err:
         raise fail(f"cannot make {directory}: {err}", EXIT_BAD_INPUT) from err
     paths = export_paths(directory)
-    params: dict[str, Any] = {"format": "csv"}
-    if max_points:
-        params["max_points"] = max_points
+    params: dict[str, Any] = {"max_points": max_points} if max_points else {}
     try:
         with client() as api:
-            api.download(f"/runs/{run_id}/metrics", paths["metrics"], params=params)
-            api.download(f"/runs/{run_id}/eval", paths["evals"], params={"format": "csv"})
+            api.download(f"/runs/{run_id}/metrics.csv", paths["metrics"], params=params)
+            api.download(f"/runs/{run_id}/eval.csv", paths["evals"])
     except ApiError as err:
         raise fail(f"{err.message} [{err.code}]", EXIT_API) from err
     except OSError as err:

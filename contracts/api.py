@@ -21,7 +21,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from contracts.bounds import MAX_BUDGET, MAX_COUNT, MAX_ID, MAX_NAME, MAX_TAG, NO_NUL, SHA256_HEX
+from contracts.bounds import (
+    MAX_BUDGET,
+    MAX_COUNT,
+    MAX_ID,
+    MAX_NAME,
+    MAX_TAG,
+    NO_NUL,
+    SHA256_HEX,
+    UserPath,
+)
 from contracts.documented import DocumentedAs
 from contracts.reports import Preparing
 from contracts.workflow import MAX_DEVICES, Plan, Workflow
@@ -58,7 +67,12 @@ def check_tag(value: str) -> str:
     return value
 
 
-Tag = Annotated[str, Field(min_length=1, max_length=MAX_TAG), AfterValidator(check_tag)]
+# The schema's pattern says what check_tag refuses (its message is the one answered).
+Tag = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_TAG, json_schema_extra={"pattern": r"^[^\s,\u0000]*$"}),
+    AfterValidator(check_tag),
+]
 
 # A workflow document as a request carries it: received as a JSON object, so that the service
 # reports every problem at once, each with its JSON path (service.runs.workflow.parse_workflow);
@@ -113,11 +127,22 @@ class CheckpointOf(BaseModel):
 
 # A local safetensors file or model directory the service can read (relative paths resolve
 # against data_root), or another run's registered checkpoint.
-InitialCheckpointIn = str | CheckpointOf
+InitialCheckpointIn = UserPath | CheckpointOf
 
 
 class RunCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A run of a workflow: the document itself (`workflow`) or a stored one's id
+    (`workflow_id`), exactly one of them, as the schema's `oneOf` says."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["workflow"], "properties": {"workflow": {"type": "object"}}},
+                {"required": ["workflow_id"], "properties": {"workflow_id": {"type": "string"}}},
+            ]
+        },
+    )
 
     workflow: WorkflowDocument | None = None
     workflow_id: str | None = Field(None, min_length=1, max_length=SHA256_HEX)

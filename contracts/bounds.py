@@ -9,8 +9,11 @@ field, never 500.
 
 from __future__ import annotations
 
-from pydantic import AfterValidator
-from pydantic_core import PydanticCustomError
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
 # Integer columns are 32-bit: steps, counts, pids, budgets, phase indices.
 MAX_COUNT = 2**31 - 1
@@ -52,8 +55,25 @@ def refuse_nul(value: str) -> str:
     return value
 
 
+class _NoNul:
+    """Refuses NUL (`refuse_nul`), and says so in the JSON Schema (a `pattern` without U+0000),
+    so that a request the document allows is one the server takes."""
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(refuse_nul, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        out = handler(schema)
+        out.setdefault("pattern", "^[^\\u0000]*$")
+        return out
+
+
 # Annotated[str, Field(max_length=...), NO_NUL]: a string stored in a String or Text column.
-NO_NUL = AfterValidator(refuse_nul)
+NO_NUL = _NoNul()
 
 
 def replace_nul(value: str) -> str:
@@ -63,3 +83,20 @@ def replace_nul(value: str) -> str:
 # Annotated[str, NUL_REPLACED]: a message for people (an exception's text, say), stored in a
 # Text column. A NUL in it becomes U+FFFD instead of failing the report that carries it.
 NUL_REPLACED = AfterValidator(replace_nul)
+
+
+EMPTY_PATH = "is empty; give the path of a file or folder, absolute or relative to the data root"
+
+
+def refuse_empty_path(value: str) -> str:
+    if not value:
+        raise PydanticCustomError("empty_path", EMPTY_PATH)
+    return value
+
+
+# A file or folder a request names. The schema says `minLength: 1` (so a generated request is
+# never one the server refuses); an empty one is refused naming its field, with a message of
+# its own (pydantic's "at least 1 character" says nothing of paths).
+UserPath = Annotated[
+    str, Field(json_schema_extra={"minLength": 1}), AfterValidator(refuse_empty_path)
+]

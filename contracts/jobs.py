@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
-from contracts.bounds import NUL_REPLACED
+from contracts.bounds import NUL_REPLACED, UserPath
 from contracts.documented import DocumentedAs
 from contracts.reports import EvalResult
 from contracts.workflow import InspectionGate, Name, Objective, PositiveInt
@@ -29,8 +29,8 @@ class _Request(BaseModel):
 class InspectRequest(_Request):
     """Inspect one data file with the exact tokenizer and encoder of training."""
 
-    path: str
-    tokenizer: str
+    path: UserPath
+    tokenizer: UserPath
     objective: Objective
     sequence_length: PositiveInt
 
@@ -39,8 +39,8 @@ class PrepareRequest(_Request):
     """Build one data file's token store ahead of time, the one a phase reading it with this
     tokenizer, objective and sequence_length would otherwise build before its first step."""
 
-    path: str
-    tokenizer: str
+    path: UserPath
+    tokenizer: UserPath
     objective: Objective
     sequence_length: PositiveInt
 
@@ -54,13 +54,13 @@ class EvaluateRequest(_Request):
     """Evaluate a checkpoint (any `save_pretrained` directory: a run's, or a pre-SFT model) on
     one task's data, outside any run."""
 
-    checkpoint: str
+    checkpoint: UserPath
     task: Objective
-    data: str
+    data: UserPath
     # The eval set the result is named after (EvalSpec.name); default: the task.
     name: Name | None = None
     # Default: the tokenizer saved in the checkpoint directory.
-    tokenizer: str | None = None
+    tokenizer: UserPath | None = None
     sequence_length: PositiveInt
     batch_size: PositiveInt = 8
 

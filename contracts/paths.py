@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from contracts.bounds import EMPTY_PATH
+
 # The environment variable both sides read, and what separates its folders.
 ROOTS_VARIABLE = "TRAINCTL_DATA_ROOTS"
 SEPARATOR = os.pathsep
@@ -98,12 +100,15 @@ class DataRoots:
         """Why `path` (absolute) may not be read, or None. A path outside every root is named
         with the roots; one that lies in a root but resolves out of it (through a link) is named
         with its target too. A directory's files are checked as well (`tree_refusal`)."""
+        if not path:
+            return EMPTY_PATH
         if "\0" in path:
             return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
         try:
             given = Path(path).expanduser()
             if not given.is_absolute():
-                return f"{path} is not an absolute path; give it relative to the data root"
+                # Callers resolve relative paths against the data root first (resolve_path).
+                return f"{path} is relative, and was not resolved against a folder"
             real = _real(given)
             if not _inside(real, self.allowed(use)):
                 # The target is named only when the path itself lies in a root: then the link

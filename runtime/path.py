@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from contracts.bounds import EMPTY_PATH
 from contracts.workflow import (
     PathKind,
     Problem,
@@ -42,6 +43,8 @@ def resolve_path(value: str, base: Path) -> str:
 def path_problem(path: str, kind: PathKind) -> str | None:
     """Why `path` is not an existing `kind` ("file": a regular file, "directory", or "path":
     either), or None."""
+    if not path:
+        return EMPTY_PATH
     if "\0" in path:
         return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
     try:
@@ -70,7 +73,8 @@ def workflow_path_problems(doc: Any) -> list[Problem]:
     return [
         Problem(path=json_path(loc), message=why)
         for loc, value, kind in path_fields(doc)
-        if (why := path_problem(value, kind))
+        # An empty one is the schema's problem (contracts.bounds.UserPath), named once.
+        if value and (why := path_problem(value, kind))
     ]
 
 

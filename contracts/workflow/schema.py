@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from contracts.bounds import MAX_COUNT, MAX_NAME, NO_NUL
+from contracts.bounds import MAX_COUNT, MAX_NAME, NO_NUL, UserPath
 
 Objective = Literal[
     "continued_pretrain",
@@ -73,7 +73,7 @@ class ModelSpec(_Strict):
         description="A transformers model config (its `config.json` keys); `model_type` "
         'defaults to "llama". Give this or `pretrained`.',
     )
-    pretrained: str | None = Field(
+    pretrained: UserPath | None = Field(
         None,
         description="A local directory holding a pretrained model (`save_pretrained` output), "
         "relative to the data root or inside the data roots. Give this or `config`.",
@@ -130,7 +130,7 @@ class EvalSpec(_Strict):
         "task. Two sets of one task (a QA mixture and a RAG set, say) need names of their own."
     )
     task: Objective = Field(description="The objective whose encoding the set is scored with.")
-    data: str = Field(
+    data: UserPath = Field(
         description="The set's JSONL file (`.zst` too), relative to the data root or inside "
         "the data roots."
     )
@@ -164,7 +164,7 @@ class DataSource(_Strict):
     `objective: continued_pretrain` and the pretraining stage's geometry, which must fill the
     same token envelope (`sequence_length x microbatch_size = microbatch_tokens`)."""
 
-    path: str = Field(
+    path: UserPath = Field(
         description="The JSONL file (`.zst` too), relative to the data root or inside the data "
         "roots."
     )
@@ -344,7 +344,7 @@ class Workflow(_Strict):
 
     name: Name = Field(description="The workflow's name; a run's name by default.")
     model: ModelSpec = Field(description="The model to train.")
-    tokenizer: str = Field(
+    tokenizer: UserPath = Field(
         description="A tokenizers `tokenizer.json`, relative to the data root or inside the "
         "data roots."
     )

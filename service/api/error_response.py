@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy.exc import DataError, DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException
+from starlette.routing import Match, Mount
 
 from contracts.workflow import json_path
 from service.api.middleware import PayloadTooLarge
@@ -210,6 +211,25 @@ def _code_for(status: int) -> str:
         return "error"
 
 
+# What a 405's Allow may name; HEAD only where a route declares it (FastAPI's do not).
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route of `path` accepts. Starlette's 405 names only the first route
+    whose path matched, but one path may have several (`GET /runs` and `POST /runs` in one
+    router, `/tokens` in two): a client told `Allow: POST` would never try GET. Asked of the
+    routes themselves (`matches`), as a request would be routed; a mount is left out (its app
+    answers its own 405)."""
+    routes = [r for r in app.router.routes if not isinstance(r, Mount)]
+    allowed = []
+    for method in _METHODS:
+        scope = {"type": "http", "path": path, "root_path": "", "method": method, "app": app}
+        if any(route.matches(scope)[0] == Match.FULL for route in routes):
+            allowed.append(method)
+    return allowed
+
+
 def install_error_handlers(app: FastAPI) -> None:
     document_errors(app)
 
@@ -228,14 +248,16 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else _code_for(exc.status_code)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}; see /docs for the API"
-        elif exc.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}"
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            # A mount's own 405 (the dashboard's static files) keeps the Allow it gave.
+            allow = ", ".join(allowed_methods(app, request.url.path)) or (headers or {}).get(
+                "Allow", ""
+            )
+            message = f"{request.method} is not allowed on {request.url.path}; it takes {allow}"
+            headers = {**(headers or {}), "Allow": allow}
         code = exc.code if isinstance(exc, PayloadTooLarge) else _code_for(exc.status_code)
-        return ErrorJSON(
-            error_body(code, message),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        return ErrorJSON(error_body(code, message), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,5 +1,5 @@
-"""A run's numbers as CSV, for notebooks and spreadsheets (`GET /runs/{id}/metrics?format=csv`,
-`GET /runs/{id}/eval?format=csv`, `trainctl runs export`).
+"""A run's numbers as CSV, for notebooks and spreadsheets (`GET /runs/{id}/metrics.csv`,
+`GET /runs/{id}/eval.csv`, `trainctl runs export`).
 
 Metrics are long-form, one row per point (`pandas.read_csv(...).pivot(index="step",
 columns="name", values="value")` makes them wide), in (name, step) order:

@@ -667,7 +667,7 @@ def test_the_eval_answer_counts_skipped_records_by_reason_and_names_the_latest_e
     assert summary["skipped_examples"] == ["eval.jsonl:3: not JSON"]
     assert all("skipped_examples" not in p for p in summary["history"])
 
-    csv = api.client.get(f"/runs/{run_id}/eval", params={"format": "csv"}, headers=api.admin)
+    csv = api.client.get(f"/runs/{run_id}/eval.csv", headers=api.admin)
     header, *rows = csv.text.splitlines()
     assert header.endswith(
         ",oversized_records,skipped_malformed_json,skipped_wrong_shape,skipped_no_target"

@@ -211,7 +211,7 @@ def test_tags_notes_filters_and_csv_exports(tmp_path: Path, postgres_url: str) -
         assert ([r["id"] for r in rest["runs"]], rest["next_cursor"]) == ([first], None)
 
         # CSV: every point, long form, in (name, step) order; thinned with max_points.
-        answer = api.get(f"/runs/{first}/metrics", params={"format": "csv"})
+        answer = api.get(f"/runs/{first}/metrics.csv")
         assert answer.status_code == 200, answer.text
         assert answer.headers["content-type"].startswith("text/csv")
         assert f"{first}-metrics.csv" in answer.headers["content-disposition"]
@@ -222,15 +222,11 @@ def test_tags_notes_filters_and_csv_exports(tmp_path: Path, postgres_url: str) -
         ]
         loss = {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "loss"}
         assert loss == {step: loss_of(0, step) for step in range(1, STEPS + 1)}  # exact
-        thinned = api.get(
-            f"/runs/{first}/metrics", params={"format": "csv", "names": "loss", "max_points": 4}
-        )
+        thinned = api.get(f"/runs/{first}/metrics.csv", params={"names": "loss", "max_points": 4})
         steps = [int(r["step"]) for r in csv.DictReader(io.StringIO(thinned.text))]
         assert 2 <= len(steps) <= 4 and steps[0] == 1 and steps[-1] == STEPS
-        assert api.get(f"/runs/{second}/metrics", params={"format": "csv"}).text.strip() == (
-            "run_id,name,step,value"
-        )
-        evals = api.get(f"/runs/{first}/eval", params={"format": "csv"})
+        assert api.get(f"/runs/{second}/metrics.csv").text.strip() == ("run_id,name,step,value")
+        evals = api.get(f"/runs/{first}/eval.csv")
         assert evals.headers["content-type"].startswith("text/csv")
         eval_rows = list(csv.DictReader(io.StringIO(evals.text)))
         assert list(eval_rows[0]) == [
@@ -239,9 +235,10 @@ def test_tags_notes_filters_and_csv_exports(tmp_path: Path, postgres_url: str) -
             "skipped_wrong_shape", "skipped_no_target",
         ]  # fmt: skip
         assert len(eval_rows) == len(EVAL_SETS) * 3  # steps 0, 5 and 10
-        assert_error(
-            api.get(f"/runs/{first}/metrics", params={"format": "xml"}), 422, "invalid_request"
-        )
+        # The JSON forms answer JSON only; a CSV of a run that does not exist is a 404.
+        for path in (f"/runs/{first}/metrics", f"/runs/{first}/eval"):
+            assert api.get(path).headers["content-type"] == "application/json", path
+        assert_error(api.get("/runs/run_nope/metrics.csv"), 404, "run_not_found")
         reporter.close()
         api.close()
 

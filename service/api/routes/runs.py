@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import (
     APIRouter,
@@ -72,14 +72,19 @@ MaxPoints = Annotated[
     int | None,
     Query(ge=1, le=MAX_COUNT, description="keep at most this many points per series"),
 ]
-Format = Annotated[
-    Literal["json", "csv"],
-    Query(description="`csv`: text/csv with the columns service.reads.export documents"),
-]
-CSV_MEDIA_TYPE = "text/csv; charset=utf-8"
 MAX_TAG_FILTERS = 8
+
+
+class CSVResponse(StreamingResponse):
+    """A CSV body, streamed; the document lists its 200 as `text/csv` only, so a generated
+    client reads it as text and never tries it as JSON."""
+
+    media_type = "text/csv"
+    charset = "utf-8"
+
+
 CSV_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/csv": {"schema": {"type": "string"}}}}
+    200: {"content": {"text/csv": {"schema": {"type": "string"}}}, "description": "CSV rows"}
 }
 
 
@@ -89,10 +94,10 @@ def _query_error(field: str, message: str) -> RequestValidationError:
     )
 
 
-def _csv(body: Any, run_id: str, what: str) -> StreamingResponse:
-    return StreamingResponse(
+def _csv(body: Any, run_id: str, what: str) -> CSVResponse:
+    return CSVResponse(
         body,
-        media_type=CSV_MEDIA_TYPE,
+        media_type="text/csv; charset=utf-8",
         headers={"Content-Disposition": f'attachment; filename="{run_id}-{what}.csv"'},
     )
 
@@ -187,19 +192,33 @@ def read_runs(
     )
 
 
+# What `ids` is, as the document says it: a comma-separated list (form style, not exploded:
+# `ids=a,b`), 2 to MAX_COMPARED distinct ids, each without a comma or whitespace, so that a
+# request the document allows is one the route takes (a generated client sends a list).
+COMPARED_IDS: dict[str, Any] = {
+    "name": "ids",
+    "in": "query",
+    "required": True,
+    "style": "form",
+    "explode": False,
+    "description": f"2 to {MAX_COMPARED} run ids, comma-separated; the first is the reference "
+    "the others' changes are measured against",
+    "schema": {
+        "type": "array",
+        "items": {"type": "string", "minLength": 1, "maxLength": 39, "pattern": r"^[^,\s]+$"},
+        "minItems": 2,
+        "maxItems": MAX_COMPARED,
+        "uniqueItems": True,
+    },
+}
+
+
 # Before GET /runs/{run_id}, which would otherwise take "compare" for a run id.
-@router.get("/compare")
+@router.get("/compare", openapi_extra={"parameters": [COMPARED_IDS]})
 def compare(
     session: SessionDep,
     token: ApiTokenDep,
-    ids: Annotated[
-        str,
-        Query(
-            max_length=MAX_COMPARED * 40,
-            description=f"2 to {MAX_COMPARED} run ids, comma-separated; the first is the "
-            "reference the others' changes are measured against",
-        ),
-    ],
+    ids: Annotated[str, Query(max_length=MAX_COMPARED * 40, include_in_schema=False)],
 ) -> RunComparison:
     """The runs' eval sets side by side (baseline, final and best per set and run, and each
     run's change against the first) and every signed input that differs between them, field
@@ -292,27 +311,12 @@ def cancel(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic
     "/{run_id}/metrics",
     response_model=MetricSeriesPublic,
     response_class=JSONResponse,
-    responses=CSV_RESPONSE,
 )
 def read_metrics(
-    run: RunDep,
-    session: SessionDep,
-    request: Request,
-    names: MetricNamesDep,
-    max_points: MaxPoints = None,
-    format: Format = "json",
+    run: RunDep, session: SessionDep, names: MetricNamesDep, max_points: MaxPoints = None
 ) -> Response:
-    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null. `format=csv`:
-    `run_id,name,step,value`, a row per point in (name, step) order, non-finite values empty;
-    every point unless `max_points` thins the series (read in pages, streamed)."""
-    if format == "csv":
-        body = metrics_csv(
-            sessions=request.app.state.session_factory,
-            run_id=run.id,
-            names=names,
-            max_points=max_points,
-        )
-        return _csv(body, run.id, "metrics")
+    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are null. The same
+    series as CSV: `GET /runs/{id}/metrics.csv`."""
     # The body as Postgres wrote it (service.reads.series.metric_series_json): no point is parsed
     # or encoded in Python.
     return Response(
@@ -321,23 +325,34 @@ def read_metrics(
     )
 
 
-@router.get(
-    "/{run_id}/eval",
-    response_model=EvalSummaryPublic,
-    response_class=JSONResponse,
-    responses=CSV_RESPONSE,
-)
-def read_eval(
-    run: RunDep, session: SessionDep, max_points: MaxPoints = None, format: Format = "json"
-) -> Response:
+@router.get("/{run_id}/metrics.csv", response_class=CSVResponse, responses=CSV_RESPONSE)
+def read_metrics_csv(
+    run: RunDep, request: Request, names: MetricNamesDep, max_points: MaxPoints = None
+) -> CSVResponse:
+    """`run_id,name,step,value`, a row per point in (name, step) order, non-finite values
+    empty; every point unless `max_points` thins the series (read in pages, streamed)."""
+    body = metrics_csv(
+        sessions=request.app.state.session_factory,
+        run_id=run.id,
+        names=names,
+        max_points=max_points,
+    )
+    return _csv(body, run.id, "metrics")
+
+
+@router.get("/{run_id}/eval", response_model=EvalSummaryPublic, response_class=JSONResponse)
+def read_eval(run: RunDep, session: SessionDep, max_points: MaxPoints = None) -> JSONResponse:
     """Per eval set: baseline (step 0), latest, best (lowest cross-entropy), history, and the
-    first records it skipped (`skipped_examples`). `format=csv`: `run_id,name,task,step,phase,
-    cross_entropy,perplexity,records,target_tokens,oversized_records,skipped_malformed_json,
-    skipped_wrong_shape,skipped_no_target`, a row per eval set and step (every one;
-    `max_points` is for JSON)."""
-    if format == "csv":
-        return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
+    first records it skipped (`skipped_examples`). As CSV: `GET /runs/{id}/eval.csv`."""
     return JSONResponse(eval_summary(session=session, run_id=run.id, max_points=max_points))
+
+
+@router.get("/{run_id}/eval.csv", response_class=CSVResponse, responses=CSV_RESPONSE)
+def read_eval_csv(run: RunDep, session: SessionDep) -> CSVResponse:
+    """`run_id,name,task,step,phase,cross_entropy,perplexity,records,target_tokens,
+    oversized_records,skipped_malformed_json,skipped_wrong_shape,skipped_no_target`, a row per
+    eval set and step (every one)."""
+    return _csv(iter([evals_csv(session=session, run_id=run.id)]), run.id, "evals")
 
 
 @router.get("/{run_id}/eval/phases")

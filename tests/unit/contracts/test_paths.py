@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from contracts.bounds import EMPTY_PATH
 from contracts.paths import DataRoots, split_roots
 
 
@@ -129,10 +130,16 @@ def test_a_path_in_a_run_s_folder_is_found_as_that_run_links_and_dot_dot_followe
 def test_unusable_paths_are_refused_not_raised(tree: Path) -> None:
     roots = DataRoots.of([tree / "data"])
     assert "NUL byte" in (roots.refusal(f"{tree / 'data'}/a\0b") or "")
-    assert "absolute" in (roots.refusal("relative/file.jsonl") or "")
+    assert "is relative" in (roots.refusal("relative/file.jsonl") or "")
     assert roots.refusal(str(tree / "data" / ("x" * 5000))) is not None
 
 
 def test_no_roots_is_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="TRAINCTL_DATA_ROOTS"):
         DataRoots.of([])
+
+
+def test_an_empty_path_is_refused_as_empty_not_as_relative(tree: Path) -> None:
+    roots = DataRoots.of([tree / "data"])
+    assert roots.refusal("") == EMPTY_PATH
+    assert "not an absolute path" not in (roots.refusal("file.jsonl") or "")

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from contracts.bounds import EMPTY_PATH
 from contracts.workflow import (
     Plan,
     WorkflowInvalid,
@@ -569,3 +570,11 @@ def test_keep_best_names_eval_sets_of_the_workflow_each_once(tmp_path: Path) -> 
     assert "'qa' is not an eval set of this workflow" in found["checkpoint.keep_best[1]"]
     assert "'summarization'" in found["checkpoint.keep_best[1]"]  # the sets it has
     assert "named twice (also keep_best[0])" in found["checkpoint.keep_best[2]"]
+
+
+def test_an_empty_path_is_one_problem_saying_it_is_empty(tmp_path: Path) -> None:
+    doc = make_workflow(tmp_path, tokenizer="")
+    doc["phases"][0]["data"][0]["path"] = ""
+    problems = problems_of(doc)
+    assert problems["tokenizer"] == EMPTY_PATH
+    assert problems["phases[0].data[0].path"] == EMPTY_PATH

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.bounds import EMPTY_PATH
 from contracts.jobs import InspectionReport, InspectRequest, LengthStats
 from contracts.jobs import Job as JobPublic
 from contracts.reports import EvalResult
@@ -622,3 +623,30 @@ def test_an_evaluation_with_a_non_finite_loss_fails_instead_of_looping(
     outcome = jobs.job_outcome("evaluation", request, settings=settings)
     assert outcome.status == "failed"
     assert outcome.error is not None and "non-finite" in outcome.error
+
+
+def test_an_empty_path_is_refused_naming_its_field_without_contradiction(api: Api) -> None:
+    """The schema says `minLength: 1` for every path a request names; an empty one is 422
+    naming the field with a message of its own (it once read "is not an absolute path; give
+    it relative to the data root")."""
+    cases = [
+        ("/datasets/inspect", inspect_body(api, path=""), "path"),
+        ("/datasets/prepare", inspect_body(api, tokenizer=""), "tokenizer"),
+        ("/evaluations", evaluate_body(api, data=""), "data"),
+        ("/evaluations", evaluate_body(api, checkpoint=""), "checkpoint"),
+    ]
+    for route, body, field in cases:
+        answer = api.client.post(route, json=body, headers=api.admin)
+        assert answer.status_code == 422, (route, answer.text)
+        error = answer.json()["error"]
+        assert [d["path"] for d in error["details"]] == [field], (route, error)
+        assert error["details"][0]["message"] == EMPTY_PATH, error
+        assert "not an absolute path" not in error["message"]
+    doc = api.client.get("/openapi.json").json()["components"]["schemas"]
+    for model, fields in (
+        ("InspectRequest", ("path", "tokenizer")),
+        ("PrepareRequest", ("path", "tokenizer")),
+        ("EvaluateRequest", ("checkpoint", "data")),
+    ):
+        for name in fields:
+            assert doc[model]["properties"][name]["minLength"] == 1, (model, name)
