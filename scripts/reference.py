@@ -14,7 +14,6 @@ import enum
 import json
 import os
 import sys
-import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,19 +274,28 @@ def settings_reference() -> str:
 
 
 def param_type(param: Any) -> str:
-    annotation = param.type_descriptor.annotation
-    repeated = typing.get_origin(annotation) is list
-    if repeated:
-        (annotation,) = typing.get_args(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        kind = " or ".join(f"`{member.value}`" for member in annotation)
+    """From the click parameter type every typer version builds (by class name: some typer
+    versions carry a click of their own), not from typer's internals."""
+    kind_of = param.type
+    classes = {cls.__name__ for cls in type(kind_of).__mro__}
+    if classes & {"Choice", "TyperChoice"}:
+        kind = " or ".join(f"`{getattr(c, 'value', c)}`" for c in kind_of.choices)
+    elif getattr(param, "is_flag", False) or "BoolParamType" in classes:
+        kind = "flag"
+    elif "IntParamType" in classes:
+        kind = "integer"
+    elif "FloatParamType" in classes:
+        kind = "number"
+    elif classes & {"Path", "TyperPath"}:
+        kind = "path"
     else:
-        names = {bool: "flag", int: "integer", float: "number", str: "text", Path: "path"}
-        kind = names.get(annotation, getattr(annotation, "__name__", str(annotation)))
-    bounds = [f"≥ {param.min}"] if param.min is not None else []
-    bounds += [f"≤ {param.max}"] if param.max is not None else []
+        kind = "text"
+    low, high = getattr(kind_of, "min", None), getattr(kind_of, "max", None)
+    bounds = [f"≥ {low}"] if low is not None else []
+    bounds += [f"≤ {high}"] if high is not None else []
     kind += f" ({', '.join(bounds)})" if bounds else ""
-    return kind + (", repeatable" if repeated or param.nargs == -1 else "")
+    repeated = getattr(param, "multiple", False) or param.nargs == -1
+    return kind + (", repeatable" if repeated else "")
 
 
 def param_default(param: Any) -> str:
