@@ -41,8 +41,8 @@ def _json_answers(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any
         for method, operation in item.items():
             for status, response in operation["responses"].items():
                 content = response.get("content", {})
-                # An event stream is not JSON, whatever else its operation lists.
-                if status.startswith("2") and "text/event-stream" not in content:
+                # A CSV or event-stream answer is not JSON: it is declared as what it is.
+                if status.startswith("2") and (not content or "application/json" in content):
                     yield f"{method.upper()} {path} {status}", content.get("application/json", {})
 
 
