@@ -11,6 +11,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from client.events import Event, parse_events
 from client.http import Http
 from contracts.api import (
@@ -270,12 +272,16 @@ class Client:
     ) -> Path:
         """Write the run's metric points to `dest` as CSV (run_id,name,step,value)."""
         params = _given(names=",".join(names) if names else None, max_points=max_points)
-        self.http.download(METRICS_CSV_URL.format(run_id=run_id), dest, params=params)
-        return dest
+        return self._download(METRICS_CSV_URL.format(run_id=run_id), dest, params)
 
     def download_eval_csv(self, run_id: str, dest: Path) -> Path:
         """Write the run's evaluations to `dest` as CSV, a row per eval set and step."""
-        self.http.download(EVAL_CSV_URL.format(run_id=run_id), dest)
+        return self._download(EVAL_CSV_URL.format(run_id=run_id), dest, {})
+
+    def _download(self, url: str, dest: Path, params: dict[str, Any]) -> Path:
+        # httpx replaces a URL's query with `params`: merge them (`?format=csv` stays).
+        path, _, query = url.partition("?")
+        self.http.download(path, dest, params={**dict(httpx.QueryParams(query)), **params})
         return dest
 
     def checkpoints(self, run_id: str, *, status: str = "usable") -> CheckpointsPublic:
