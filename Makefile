@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
-PACKAGES := contracts runtime service worker cli
+PACKAGES := contracts runtime service worker cli client
 
 .PHONY: install demo test lint format services browser unit integration bench reference clean
 

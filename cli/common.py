@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
-from cli.client import ApiClient, ApiError
 from cli.config import get_settings
+from client import ApiError, Client
 
 if TYPE_CHECKING:
     from contracts.workflow import WorkflowInvalid
@@ -25,9 +27,12 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer
 RunId = Annotated[str, typer.Argument(help="The run's id (run_...), as `runs list` shows it.")]
 
 
-def client() -> ApiClient:
+T = TypeVar("T")
+
+
+def client() -> Client:
     settings = get_settings()
-    return ApiClient(settings.api_url, settings.resolved_token())
+    return Client(settings.api_url, settings.resolved_token())
 
 
 def fail(message: str, code: int) -> typer.Exit:
@@ -43,13 +48,23 @@ def refuse_workflow(path: Path, err: WorkflowInvalid) -> typer.Exit:
     return typer.Exit(EXIT_BAD_INPUT)
 
 
-def call(method: str, path: str, **kwargs: Any) -> Any:
+def call(action: Callable[[Client], T]) -> T:
+    """`action` on a client of the configured API; an error answer is printed, exit 3."""
     try:
         with client() as api:
-            return api.request(method, path, **kwargs)
+            return action(api)
     except ApiError as err:
         detail = f"\n{json.dumps(err.details, indent=2)}" if err.details else ""
         raise fail(f"{err.message} [{err.code}]{detail}", EXIT_API) from err
+
+
+def jsonable(answer: BaseModel | dict[str, Any]) -> dict[str, Any]:
+    """An answer as the API wrote it: a model back to its JSON form."""
+    return answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
+
+
+def print_json(answer: BaseModel | dict[str, Any]) -> None:
+    print(json.dumps(jsonable(answer), indent=2))
 
 
 def load_workflow(path: Path) -> dict[str, Any]:

@@ -69,10 +69,8 @@ def data_inspect(
     if remote:
         if write_fit is not None:
             raise fail("--write-fit writes a local file; run without --remote", 2)
-        job = call("POST", "/datasets/inspect", json=request.model_dump())
-        result = job_result(
-            f"/datasets/inspections/{job['id']}", f"inspection {job['id']}", timeout=timeout
-        )
+        job = call(lambda api: api.inspect_dataset(request))
+        result = job_result(job, f"inspection {job.id}", timeout=timeout)
         report = InspectionReport.model_validate(result)
     else:
         from worker.data.inspect import inspect_file
@@ -113,10 +111,8 @@ def data_prepare(
         sequence_length=sequence_length,
     )
     if remote:
-        job = call("POST", "/datasets/prepare", json=request.model_dump())
-        result = job_result(
-            f"/datasets/preparations/{job['id']}", f"preparation {job['id']}", timeout=timeout
-        )
+        job = call(lambda api: api.prepare_dataset(request))
+        result = job_result(job, f"preparation {job.id}", timeout=timeout)
         prepared = PreparedStore.model_validate(result)
     else:
         from worker.data.store import prepare_file

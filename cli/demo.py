@@ -11,12 +11,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from cli.client import ApiClient
 from cli.evaluation import percent, perplexity, phase_matrix, task_cell, task_column
 from cli.skipped import notes, records_columns, skipped_cells
 from cli.stack import free_port, spawn, stop, wait_healthy
 from cli.table import FittedTable, number, text
 from cli.watch import watch
+from client import Client
 from contracts.paths import ROOTS_VARIABLE
 from contracts.workflow import path_fields
 
@@ -145,26 +145,24 @@ class DemoResult:
     start: dict[str, Any] | None = None
 
 
-def finished_start(api: ApiClient, start: dict[str, Any]) -> dict[str, Any] | None:
+def finished_start(api: Client, start: dict[str, Any]) -> dict[str, Any] | None:
     """The newest run of `start` in this home that succeeded and kept a checkpoint: an earlier
     `trainctl demo` trained it already, and runs are deterministic."""
-    workflow_id = api.post("/workflows", json=start)["id"]
-    page = api.get("/runs", params={"status": "succeeded", "name": start["name"], "limit": 50})
-    for run in page["runs"]:
-        if run["workflow_id"] == workflow_id and run.get("latest_checkpoint"):
-            return api.get(f"/runs/{run['id']}")
+    workflow_id = api.create_workflow(start).id
+    page = api.list_runs(status="succeeded", name=start["name"], limit=50)
+    for run in page.runs:
+        if run.workflow_id == workflow_id and run.latest_checkpoint:
+            return api.get_run(run.id).model_dump(mode="json")
     return None
 
 
-def train(
-    api: ApiClient, workflow: dict[str, Any], *, timeout: float, **body: Any
-) -> dict[str, Any]:
+def train(api: Client, workflow: dict[str, Any], *, timeout: float, **body: Any) -> dict[str, Any]:
     """Create a run of `workflow` named after it, watch it to its end; its public view."""
-    run = api.post("/runs", json={"workflow": workflow, "name": name_of(workflow), **body})
-    phases = len(run["plan"]["phases"])
-    console.print(f"run [bold]{run['id']}[/bold]: {run['total_steps']} steps, {phases} phases")
-    watch(api, run["id"], timeout=timeout, console=console, poll=0.5)
-    done: dict[str, Any] = api.get(f"/runs/{run['id']}")
+    run = api.create_run(workflow, name=name_of(workflow), **body)
+    phases = len(run.plan.phases)
+    console.print(f"run [bold]{run.id}[/bold]: {run.total_steps} steps, {phases} phases")
+    watch(api, run.id, timeout=timeout, console=console, poll=0.5)
+    done = api.get_run(run.id).model_dump(mode="json")
     if done["status"] != "succeeded":
         console.print(
             f"[red]run {done['status']}[/red]: {done.get('cause')}: {done.get('message')}"
@@ -172,7 +170,7 @@ def train(
     return done
 
 
-def start_of(api: ApiClient, start: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+def start_of(api: Client, start: dict[str, Any], *, timeout: float) -> dict[str, Any]:
     """A succeeded run of `start` to take the final checkpoint of: this home's, or trained now."""
     run = finished_start(api, start)
     if run is not None:
@@ -206,7 +204,7 @@ def run_demo(
     try:
         wait_healthy(url, timeout=120, process=stack)
         token = (home / "token").read_text().strip()
-        with ApiClient(url, token) as api:
+        with Client(url, token) as api:
             body: dict[str, Any] = {}
             first = None
             if start is not None:
@@ -225,9 +223,9 @@ def run_demo(
             elapsed = time.monotonic() - started
             if run["status"] != "succeeded":
                 return DemoResult(ok=False, run=run, start=first)
-            evals = api.get(f"/runs/{run['id']}/eval")
-            by_phase = api.get(f"/runs/{run['id']}/eval/phases")
-            metrics = api.get(f"/runs/{run['id']}/metrics", params={"names": "loss"})
+            evals = api.eval(run["id"]).model_dump(mode="json")
+            by_phase = api.eval_by_phase(run["id"]).model_dump(mode="json")
+            metrics = api.metrics(run["id"], names=["loss"]).model_dump(mode="json")
     finally:
         stop(stack)
 

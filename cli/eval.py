@@ -95,12 +95,12 @@ def eval_checkpoint(
         ]
     if remote:
         # Every set's job is submitted before any is waited for, so workers take them at once.
-        jobs = [call("POST", "/evaluations", json=r.model_dump()) for r in requests]
+        jobs = call(lambda api: [api.evaluate(r) for r in requests])
         results = []
         for request, job in zip(requests, jobs, strict=True):
             name = request.name or request.task
-            what = f"evaluation {job['id']} of eval set {name!r}"
-            result = job_result(f"/evaluations/{job['id']}", what, timeout=timeout)
+            what = f"evaluation {job.id} of eval set {name!r}"
+            result = job_result(job, what, timeout=timeout)
             results.append(EvalResult.model_validate(result))
     else:
         from worker.train.evaluate import evaluate_checkpoint_sets

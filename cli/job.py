@@ -5,15 +5,17 @@ worker through the API as a job with `--remote` (paths are then the service's).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from cli.common import EXIT_BAD_INPUT, EXIT_FAILED, call, fail
+
+if TYPE_CHECKING:
+    from contracts.jobs import Job
 
 
 class Objective(StrEnum):
@@ -58,26 +60,16 @@ def local_stores(tokenizer: str) -> Any:
     return Stores(local_store_root(), load_tokenizer(tokenizer))
 
 
-def wait_for_job(path: str, *, timeout: float, poll: float = 0.5) -> dict[str, Any]:
-    """Poll a job (`/datasets/inspections/<id>`, `/datasets/preparations/<id>`,
-    `/evaluations/<id>`) until it finishes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        job: dict[str, Any] = call("GET", path)
-        if job["status"] in ("succeeded", "failed"):
-            return job
-        if time.monotonic() > deadline:
-            raise fail(f"{path} still {job['status']} after {timeout:.0f} s", EXIT_FAILED)
-        time.sleep(poll)
-
-
-def job_result(path: str, what: str, *, timeout: float) -> Any:
-    """A job's result once it finished (`wait_for_job`). A failed job failed on the file or the
-    request: bad input (exit 2), as it is run here; `what` names it in the message."""
-    job = wait_for_job(path, timeout=timeout)
-    if job["status"] == "failed":
-        raise fail(f"{what} failed: {job.get('error')}", EXIT_BAD_INPUT)
-    return job["result"]
+def job_result(job: Job, what: str, *, timeout: float) -> Any:
+    """A job's result once it finished (Client.wait_for_job). A failed job failed on the file
+    or the request: bad input (exit 2), as it is run here; `what` names it in the message."""
+    try:
+        done = call(lambda api: api.wait_for_job(job, timeout=timeout))
+    except TimeoutError as err:
+        raise fail(str(err), EXIT_FAILED) from err
+    if done.status == "failed":
+        raise fail(f"{what} failed: {done.error}", EXIT_BAD_INPUT)
+    return done.result
 
 
 def local(action: Callable[[], Any]) -> Any:

@@ -3,7 +3,6 @@ evaluate runs, through the API."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -21,9 +20,13 @@ from cli.common import (
     console,
     err_console,
     fail,
+    jsonable,
     load_workflow,
+    print_json,
 )
 from cli.table import SHORTEN, Column, FittedTable, number, text
+from client import Client
+from contracts.api import MAX_RUNS_PAGE, RunPublic, RunsPublic
 
 runs_app = typer.Typer(help="Create, list and inspect runs.", no_args_is_help=True)
 
@@ -47,8 +50,8 @@ def waiting_text(run: dict[str, Any]) -> str:
     )
 
 
-# The most runs one `GET /runs` answers (contracts.api.MAX_RUNS_PAGE; the CLI imports no side).
-RUNS_PAGE = 500
+# The most runs one `GET /runs` answers.
+RUNS_PAGE = MAX_RUNS_PAGE
 
 
 @runs_app.command("create")
@@ -76,11 +79,10 @@ def runs_create(
     as_json: JsonOpt = False,
 ) -> None:
     """Submit a workflow as a new run."""
-    body: dict[str, Any] = {"workflow": load_workflow(path)}
-    if name:
-        body["name"] = name
+    doc = load_workflow(path)
+    start: str | dict[str, Any] | None = None
     if initial_checkpoint:
-        body["initial_checkpoint"] = str(initial_checkpoint.resolve())
+        start = str(initial_checkpoint.resolve())
     if from_run is not None or step is not None or best is not None:
         if from_run is None or initial_checkpoint or (step is None) == (best is None):
             raise fail(
@@ -88,16 +90,16 @@ def runs_create(
                 "--initial-checkpoint)",
                 EXIT_BAD_INPUT,
             )
-        body["initial_checkpoint"] = {
-            "run": from_run,
-            **({"step": step} if best is None else {"best": best}),
-        }
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    run = call("POST", "/runs", json=body, headers=headers)
+        start = {"run": from_run, **({"step": step} if best is None else {"best": best})}
+    run = call(
+        lambda api: api.create_run(
+            doc, name=name or None, initial_checkpoint=start, idempotency_key=idempotency_key
+        )
+    )
     if as_json:
-        print(json.dumps(run, indent=2))
+        print_json(run)
     else:
-        console.print(f"created run [bold]{run['id']}[/bold] ({run['total_steps']} steps)")
+        console.print(f"created run [bold]{run.id}[/bold] ({run.total_steps} steps)")
 
 
 @runs_app.command("resume")
@@ -128,49 +130,45 @@ def runs_resume(
 ) -> None:
     """Continue a stopped run under its id from its latest checkpoint. What is given must
     reproduce the run's signature; a mismatch names every differing field (exit 3)."""
-    body: dict[str, Any] = {}
-    if workflow:
-        body["workflow"] = load_workflow(workflow)
-    if initial_checkpoint:
-        body["initial_checkpoint"] = str(initial_checkpoint.resolve())
-    if devices is not None:
-        body["devices"] = devices
-    run = call("POST", f"/runs/{run_id}/resume", json=body)
+    doc = load_workflow(workflow) if workflow else None
+    start = str(initial_checkpoint.resolve()) if initial_checkpoint else None
+    run = call(
+        lambda api: api.resume_run(run_id, workflow=doc, initial_checkpoint=start, devices=devices)
+    )
     if as_json:
-        print(json.dumps(run, indent=2))
+        print_json(run)
         return
-    if run["status"] == "succeeded":
-        console.print(f"run [bold]{run['id']}[/bold] already succeeded; nothing to resume")
+    if run.status == "succeeded":
+        console.print(f"run [bold]{run.id}[/bold] already succeeded; nothing to resume")
         return
-    attempt = max(run["attempts"], key=lambda a: a["number"])
-    ckpt = run.get("latest_checkpoint")
-    start = f"the checkpoint at step {ckpt['step']}" if ckpt else "the start"
-    on = attempt.get("devices", 1)
+    attempt = max(run.attempts, key=lambda a: a.number)
+    ckpt = run.latest_checkpoint
+    begin = f"the checkpoint at step {ckpt.step}" if ckpt else "the start"
+    on = attempt.devices
     console.print(
-        f"resumed run [bold]{run['id']}[/bold]: attempt {attempt['number']} continues phase "
-        f"{run.get('phase')} from {start} on {on} device{'s' if on != 1 else ''}"
+        f"resumed run [bold]{run.id}[/bold]: attempt {attempt.number} continues phase "
+        f"{run.phase} from {begin} on {on} device{'s' if on != 1 else ''}"
     )
 
 
-def _control(run_id: str, action: str, as_json: bool) -> None:
-    run = call("POST", f"/runs/{run_id}/{action}")
+def _control(run: RunPublic, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(run, indent=2))
+        print_json(run)
     else:
-        console.print(f"run [bold]{run['id']}[/bold]: {run['status']}")
+        console.print(f"run [bold]{run.id}[/bold]: {run.status}")
 
 
 @runs_app.command("pause")
 def runs_pause(run_id: RunId, as_json: JsonOpt = False) -> None:
     """Ask the worker to checkpoint and stop; `runs resume` continues from that checkpoint."""
-    _control(run_id, "pause", as_json)
+    _control(call(lambda api: api.pause_run(run_id)), as_json)
 
 
 @runs_app.command("cancel")
 def runs_cancel(run_id: RunId, as_json: JsonOpt = False) -> None:
     """Stop a run now, without a new checkpoint; `runs resume` can still continue it from its
     latest checkpoint."""
-    _control(run_id, "cancel", as_json)
+    _control(call(lambda api: api.cancel_run(run_id)), as_json)
 
 
 class RunStatusOpt(StrEnum):
@@ -199,23 +197,27 @@ def runs_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first, following the API's pages up to --limit."""
-    filters: dict[str, Any] = {"status": status.value if status else None, "tag": tag or None}
-    if name:
-        filters["name"] = name
-    filters = {k: v for k, v in filters.items() if v is not None}
-    answer = call("GET", "/runs", params={**filters, "limit": min(limit or RUNS_PAGE, RUNS_PAGE)})
-    while answer["next_cursor"] and (limit == 0 or len(answer["runs"]) < limit):
-        want = RUNS_PAGE if limit == 0 else min(limit - len(answer["runs"]), RUNS_PAGE)
-        page = call(
-            "GET", "/runs", params={**filters, "limit": want, "cursor": answer["next_cursor"]}
-        )
-        answer = {**page, "runs": answer["runs"] + page["runs"]}
+    filters: dict[str, Any] = {
+        "status": status.value if status else None,
+        "tags": tag,
+        "name": name,
+    }
+
+    def pages(api: Client) -> RunsPublic:
+        answer = api.list_runs(**filters, limit=min(limit or RUNS_PAGE, RUNS_PAGE))
+        while answer.next_cursor and (limit == 0 or len(answer.runs) < limit):
+            want = RUNS_PAGE if limit == 0 else min(limit - len(answer.runs), RUNS_PAGE)
+            page = api.list_runs(**filters, limit=want, cursor=answer.next_cursor)
+            answer = page.model_copy(update={"runs": answer.runs + page.runs})
+        return answer
+
+    answer = call(pages)
     if as_json:
-        print(json.dumps(answer, indent=2))
+        print_json(answer)
         return
-    console.print(runs_table(answer["runs"]))
-    if answer["next_cursor"]:
-        console.print(f"the {len(answer['runs'])} newest of {answer['count']}; --limit 0 lists all")
+    console.print(runs_table(jsonable(answer)["runs"]))
+    if answer.next_cursor:
+        console.print(f"the {len(answer.runs)} newest of {answer.count}; --limit 0 lists all")
 
 
 def local_time(iso: str) -> str:
@@ -268,25 +270,17 @@ def runs_update(
     as_json: JsonOpt = False,
 ) -> None:
     """Set a run's name, tags or note (PATCH /runs/{id}); what is not given stays."""
-    body: dict[str, Any] = {}
-    if name is not None:
-        body["name"] = name
-    if clear_tags:
-        body["tags"] = []
-    elif tag:
-        body["tags"] = tag
-    if note is not None:
-        body["note"] = note
-    if not body:
+    tags = [] if clear_tags else tag or None
+    if name is None and tags is None and note is None:
         raise fail("give --name, --tag, --clear-tags or --note", EXIT_BAD_INPUT)
-    run = call("PATCH", f"/runs/{run_id}", json=body)
+    run = call(lambda api: api.update_run(run_id, name=name, tags=tags, note=note))
     if as_json:
-        print(json.dumps(run, indent=2))
+        print_json(run)
         return
-    tags = ", ".join(run["tags"]) or "none"
-    console.print(f"run [bold]{run['id']}[/bold] {run['name']!r}: tags {tags}", markup=False)
-    if run.get("note"):
-        console.print(f"note: {run['note']}", markup=False)
+    shown = ", ".join(run.tags) or "none"
+    console.print(f"run [bold]{run.id}[/bold] {run.name!r}: tags {shown}", markup=False)
+    if run.note:
+        console.print(f"note: {run.note}", markup=False)
 
 
 @runs_app.command("compare")
@@ -311,9 +305,9 @@ def runs_compare(
 
     if len(run_ids) < 2:
         raise fail("give two or more run ids to compare", EXIT_BAD_INPUT)
-    answer = call("GET", "/runs/compare", params={"ids": ",".join(run_ids)})
+    answer = jsonable(call(lambda api: api.compare(run_ids)))
     if as_json:
-        print(json.dumps(answer, indent=2))
+        print_json(answer)
         return
     console.print(comparison_view(answer, fold_after=None if show_all else FOLD_AFTER))
 
@@ -333,20 +327,19 @@ def runs_export(
     (run_id,name,step,value) and DIR/evals.csv (run_id,name,task,step,phase,cross_entropy,
     perplexity,records,target_tokens,oversized_records,skipped_<reason>...); docs/operations.md
     has the columns."""
-    from cli.client import ApiError
     from cli.common import client
     from cli.compare import count_rows, export_paths
+    from client import ApiError
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise fail(f"cannot make {directory}: {err}", EXIT_BAD_INPUT) from err
     paths = export_paths(directory)
-    params: dict[str, Any] = {"max_points": max_points} if max_points else {}
     try:
         with client() as api:
-            api.download(f"/runs/{run_id}/metrics.csv", paths["metrics"], params=params)
-            api.download(f"/runs/{run_id}/eval.csv", paths["evals"])
+            api.download_metrics_csv(run_id, paths["metrics"], max_points=max_points)
+            api.download_eval_csv(run_id, paths["evals"])
     except ApiError as err:
         raise fail(f"{err.message} [{err.code}]", EXIT_API) from err
     except OSError as err:
@@ -358,9 +351,9 @@ def runs_export(
 @runs_app.command("show")
 def runs_show(run_id: RunId, as_json: JsonOpt = False) -> None:
     """Show one run: status, progress, latest checkpoint and attempts."""
-    run = call("GET", f"/runs/{run_id}")
+    run = jsonable(call(lambda api: api.get_run(run_id)))
     if as_json:
-        print(json.dumps(run, indent=2))
+        print_json(run)
         return
     cause = f" ({run['cause']}: {run.get('message')})" if run.get("cause") else ""
     console.print(f"[bold]{run['id']}[/bold] {run['status']}{cause}")
@@ -407,9 +400,9 @@ def runs_watch(
 ) -> None:
     """Follow a run: phase, step, tokens/s, ETA and restarts, until it finishes or pauses.
     Exit 0 when it succeeded, 1 when it failed, was cancelled or paused."""
-    from cli.client import ApiError
     from cli.common import client
     from cli.watch import watch
+    from client import ApiError
 
     try:
         with client() as api:
@@ -448,18 +441,17 @@ def runs_eval(
     if by_phase:
         from cli.evaluation import phase_matrix
 
-        matrix = call("GET", f"/runs/{run_id}/eval/phases")
+        matrix = jsonable(call(lambda api: api.eval_by_phase(run_id)))
         if as_json:
-            print(json.dumps(matrix, indent=2))
+            print_json(matrix)
         else:
             console.print(phase_matrix(matrix))
         return
     from cli.demo import eval_table, records_table, skipped_notes
 
-    params = {"max_points": max_points} if max_points else {}
-    answer = call("GET", f"/runs/{run_id}/eval", params=params)
+    answer = call(lambda api: api.eval(run_id, max_points=max_points)).model_dump(mode="json")
     if as_json:
-        print(json.dumps(answer, indent=2))
+        print_json(answer)
     else:
         console.print(eval_table(answer))
         console.print(records_table(answer))
@@ -474,8 +466,8 @@ def runs_ledger(run_id: RunId, as_json: JsonOpt = False) -> None:
     against the plan's."""
     from cli.ledger import ledger_table
 
-    answer = call("GET", f"/runs/{run_id}/ledger")
+    answer = jsonable(call(lambda api: api.ledger(run_id)))
     if as_json:
-        print(json.dumps(answer, indent=2))
+        print_json(answer)
     else:
         console.print(ledger_table(answer))

@@ -20,18 +20,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from cli.client import ApiClient, ApiError
+from client import ApiError, Client
 
 # A watched run stops being followed in these states (paused waits for a resume).
 STOPPED = frozenset({"succeeded", "failed", "cancelled", "paused"})
 
 
-def snapshot(api: ApiClient, run_id: str) -> dict[str, Any]:
+def snapshot(api: Client, run_id: str) -> dict[str, Any]:
     """What `watch` shows of a run now."""
-    run = api.get(f"/runs/{run_id}")
-    speed = api.get(
-        f"/runs/{run_id}/metrics", params={"names": "tokens_per_s", "max_points": 1}
-    ).get("tokens_per_s", {"values": []})["values"]
+    run = api.get_run(run_id).model_dump(mode="json")
+    series = api.metrics(run_id, names=["tokens_per_s"], max_points=1).root.get("tokens_per_s")
+    speed = series.values if series else []
     return {
         "id": run["id"],
         "status": run["status"],
@@ -53,7 +52,7 @@ def snapshot(api: ApiClient, run_id: str) -> dict[str, Any]:
 OUTAGE_GRACE_SECONDS = 60.0
 
 
-def _patient_snapshot(api: ApiClient, run_id: str, *, poll: float) -> dict[str, Any]:
+def _patient_snapshot(api: Client, run_id: str, *, poll: float) -> dict[str, Any]:
     """`snapshot`, retried while the service is unreachable or answers 5xx, up to
     OUTAGE_GRACE_SECONDS: a run outlives a service restart, and so does its watcher."""
     deadline = time.monotonic() + OUTAGE_GRACE_SECONDS
@@ -67,7 +66,7 @@ def _patient_snapshot(api: ApiClient, run_id: str, *, poll: float) -> dict[str, 
 
 
 def watch(
-    api: ApiClient,
+    api: Client,
     run_id: str,
     *,
     timeout: float,

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from cli.common import JsonOpt, call, console
+from cli.common import JsonOpt, call, console, jsonable
 
 
 def workers_list(as_json: JsonOpt = False) -> None:
@@ -15,7 +15,7 @@ def workers_list(as_json: JsonOpt = False) -> None:
     it was heard from within the lease period."""
     from datetime import UTC, datetime
 
-    answer = call("GET", "/workers")
+    answer = jsonable(call(lambda api: api.workers()))
     if as_json:
         print(json.dumps(answer, indent=2))
         return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -602,3 +602,50 @@ class LedgerPublic(BaseModel):
     planned_post_training_replay_share: float
     post_training_replay_share: float | None
     phases: list[LedgerPhase]
+
+
+# Who a token is: `admin` (everything, tokens and the audit trail included), `user` (its own
+# runs and jobs), `viewer` (reads every run and job), `worker` (the internal API only).
+TokenRole = Literal["admin", "user", "viewer", "worker"]
+
+
+class TokenPublic(BaseModel):
+    """A token as listed: never its secret nor the secret's hash."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    role: TokenRole
+    created_at: datetime
+    rotated_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokensPublic(BaseModel):
+    tokens: list[TokenPublic]
+    count: int
+
+
+class TokenIssued(BaseModel):
+    """A new secret, shown this once: store it (mode 0600 if in a file)."""
+
+    token: TokenPublic
+    secret: str
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=200), NO_NUL]
+    role: TokenRole = "user"
+
+
+class WhoAmI(BaseModel):
+    id: str
+    name: str
+    role: TokenRole
+    can_read: bool = Field(description="may read runs, jobs and workers (GET)")
+    can_write: bool = Field(description="may create runs and jobs, and control its own runs")
+    sees_all: bool = Field(description="reads every run and job, not only its own")
+    is_admin: bool = Field(description="may manage tokens and read the audit trail")

@@ -32,6 +32,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from contracts.api import TokenRole
 from contracts.bounds import MAX_HOSTNAME, MAX_ID, MAX_NAME, MAX_TAG, MAX_TASK, SHA256_HEX
 from contracts.jobs import JobKind, JobStatus
 
@@ -59,7 +60,6 @@ CHECKPOINT_STATUSES: tuple[str, ...] = get_args(CheckpointStatus)
 
 # admin: everything, tokens included; user: creates runs and jobs, reads and controls its own;
 # viewer: reads everything, changes nothing; worker: the internal API only (service.access).
-TokenRole = Literal["admin", "user", "viewer", "worker"]
 TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
 
 

@@ -333,11 +333,13 @@ def cli_on(api: Api, monkeypatch: pytest.MonkeyPatch) -> Any:
     from typer.testing import CliRunner
 
     from cli import main, runs, workers
+    from client import Client
 
-    def call(method: str, path: str, **kwargs: Any) -> Any:
-        response = api.client.request(method, path, headers=api.admin, **kwargs)
-        assert response.status_code < 400, response.text
-        return response.json()
+    def call(action: Any) -> Any:
+        client = Client("http://testserver", "")
+        client.http._http = api.client  # the app in this process
+        api.client.headers.update(api.admin)
+        return action(client)
 
     monkeypatch.setattr(runs, "call", call)
     monkeypatch.setattr(workers, "call", call)

@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # What `contracts` may import besides itself and the standard library.
 CONTRACTS_ALLOWED = {"pydantic", "pydantic_core", "annotated_types", "typing_extensions"}
+# What the client (client/) may import besides itself, contracts, runtime and the standard
+# library: it is installed and imported on its own, without a side, torch or the CLI.
+CLIENT_ALLOWED = {"contracts", "runtime", "httpx", "pydantic", "pydantic_core"}
 FORBIDDEN = {
     # Both sides may import runtime; it may import neither, nor what only one side carries.
     "runtime": {"service", "worker", "cli", "torch", "sqlalchemy", "fastapi", "transformers"},
@@ -114,6 +117,11 @@ def worker_subpackages_imported(paths: list[Path], root: Path) -> dict[str, set[
     return found
 
 
+def client_violations(package: Path) -> dict[str, set[str]]:
+    allowed = set(sys.stdlib_module_names) | CLIENT_ALLOWED | {"client", "__future__"}
+    return {m: files for m, files in imported_roots(package).items() if m not in allowed}
+
+
 def contracts_violations(package: Path) -> dict[str, set[str]]:
     allowed = set(sys.stdlib_module_names) | CONTRACTS_ALLOWED | {"contracts", "__future__"}
     return {m: files for m, files in imported_roots(package).items() if m not in allowed}
@@ -125,6 +133,22 @@ def wall_violations(package: Path, forbidden: set[str]) -> dict[str, set[str]]:
 
 def test_contracts_import_only_pydantic_and_the_standard_library() -> None:
     assert contracts_violations(ROOT / "contracts") == {}
+
+
+def test_the_client_imports_only_contracts_runtime_httpx_and_pydantic() -> None:
+    assert client_violations(ROOT / "client") == {}
+
+
+def test_the_client_check_sees_a_side_imported_lazily(tmp_path: Path) -> None:
+    (tmp_path / "client.py").write_text(
+        "import httpx\nfrom contracts.api import RunPublic\ndef later():\n    import torch\n"
+        "    from service.api.app import create_app\n    from cli.common import call\n"
+    )
+    assert client_violations(tmp_path) == {
+        "torch": {"client.py"},
+        "service": {"client.py"},
+        "cli": {"client.py"},
+    }
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

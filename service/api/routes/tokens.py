@@ -5,62 +5,18 @@ rotation only; no answer ever carries a secret's hash."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, status
-from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.bounds import NO_NUL
+from contracts.api import TokenCreate, TokenIssued, TokenPublic, TokensPublic, WhoAmI
 from service.access import READ_ROLES, WRITE_ROLES
 from service.api.deps import AdminDep, AnyTokenDep, SessionDep, SettingsDep, require_admin
 from service.auth import issue_token, list_tokens, revoke_token, rotate_token
-from service.models import ApiToken, TokenRole
+from service.models import ApiToken
 
 router = APIRouter(tags=["tokens"])
 admin = APIRouter(prefix="/tokens", tags=["tokens"], dependencies=[Depends(require_admin)])
-
-
-class TokenPublic(BaseModel):
-    """A token as listed: never its secret nor the secret's hash."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    id: str
-    name: str
-    role: TokenRole
-    created_at: datetime
-    rotated_at: datetime | None
-    revoked_at: datetime | None
-
-
-class TokensPublic(BaseModel):
-    tokens: list[TokenPublic]
-    count: int
-
-
-class TokenIssued(BaseModel):
-    """A new secret, shown this once: store it (mode 0600 if in a file)."""
-
-    token: TokenPublic
-    secret: str
-
-
-class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: Annotated[str, Field(min_length=1, max_length=200), NO_NUL]
-    role: TokenRole = "user"
-
-
-class WhoAmI(BaseModel):
-    id: str
-    name: str
-    role: TokenRole
-    can_read: bool = Field(description="may read runs, jobs and workers (GET)")
-    can_write: bool = Field(description="may create runs and jobs, and control its own runs")
-    sees_all: bool = Field(description="reads every run and job, not only its own")
-    is_admin: bool = Field(description="may manage tokens and read the audit trail")
 
 
 def _public(row: ApiToken) -> TokenPublic:
