@@ -19,6 +19,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from contracts.bounds import (
@@ -130,17 +131,32 @@ class CheckpointOf(BaseModel):
 InitialCheckpointIn = UserPath | CheckpointOf
 
 
+# RunCreate's rule in JSON Schema: a workflow document, or a stored workflow's id.
+_GIVES_WORKFLOW: JsonDict = {
+    "required": ["workflow"],
+    "properties": {"workflow": {"type": "object"}},
+}
+_GIVES_WORKFLOW_ID: JsonDict = {
+    "required": ["workflow_id"],
+    "properties": {"workflow_id": {"type": "string"}},
+}
+
+
 class RunCreate(BaseModel):
     """A run of a workflow: the document itself (`workflow`) or a stored one's id
-    (`workflow_id`), exactly one of them, as the schema's `oneOf` says."""
+    (`workflow_id`), exactly one of them. The schema says it as `not` (both, or neither), which
+    is `oneOf` of the two without making generated clients see a union of two models: they
+    read a `oneOf` beside `properties` as one and lose the model itself."""
 
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={
-            "oneOf": [
-                {"required": ["workflow"], "properties": {"workflow": {"type": "object"}}},
-                {"required": ["workflow_id"], "properties": {"workflow_id": {"type": "string"}}},
-            ]
+            "not": {
+                "anyOf": [
+                    {"allOf": [_GIVES_WORKFLOW, _GIVES_WORKFLOW_ID]},
+                    {"not": {"anyOf": [_GIVES_WORKFLOW, _GIVES_WORKFLOW_ID]}},
+                ]
+            }
         },
     )
 

@@ -318,7 +318,11 @@ class EventStream(EventSourceResponse):
     """What the document says `/events` answers: `text/event-stream` only, so that a generated
     client reads the stream as text instead of waiting for the run's end to parse JSON."""
 
-    media_type = "text/event-stream"
+    # None here (the class's default, for the document only): FastAPI then adds no
+    # `{"type": "string"}` schema of its own, which schemathesis would hold the whole stream,
+    # read as a list of events, to; the `responses` below say what the stream is. Each
+    # response still goes out as text/event-stream (sse_starlette's own default).
+    media_type = None
 
 
 @router.get(
@@ -326,14 +330,16 @@ class EventStream(EventSourceResponse):
     response_class=EventStream,
     responses={
         200: {
-            # The schema of one event, as clients and schemathesis read a stream: its name
-            # and its `data:` (one JSON object, as text).
+            # OpenAPI 3.2's way for a stream: `itemSchema` is one event (its name and its
+            # `data:`, one JSON object as text), which schemathesis checks each event against;
+            # `schema`, the whole stream, is any text, which a generated client returns as is.
             "content": {
                 "text/event-stream": {
-                    "schema": {
+                    "schema": {"title": "EventStream", "description": "the whole stream, as text"},
+                    "itemSchema": {
                         "type": "object",
                         "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
-                    }
+                    },
                 }
             },
             "description": "server-sent events",
