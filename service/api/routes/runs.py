@@ -205,7 +205,7 @@ COMPARED_IDS: dict[str, Any] = {
     "the others' changes are measured against",
     "schema": {
         "type": "array",
-        "items": {"type": "string", "minLength": 1, "maxLength": 39, "pattern": r"^[^,\s]+$"},
+        "items": {"type": "string", "minLength": 1, "maxLength": 39, "pattern": r"^[^,\s\u0000]+$"},
         "minItems": 2,
         "maxItems": MAX_COMPARED,
         "uniqueItems": True,
