@@ -305,12 +305,26 @@ def cancel(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPublic
     return _public(session, settings, cancel_run(session=session, run_id=run.id))
 
 
+def _no_format(
+    format: Annotated[str | None, Query(include_in_schema=False)] = None,
+) -> None:
+    """`?format=csv` was how the CSV forms were asked for before they had routes of their own;
+    refused (422 naming it), not ignored, so that an old client never takes JSON for CSV."""
+    if format is not None:
+        raise _query_error(
+            "format",
+            "the CSV forms have routes of their own: GET /runs/{id}/metrics.csv and "
+            "GET /runs/{id}/eval.csv; these routes answer JSON only",
+        )
+
+
 # The JSON bodies below are written without the response model (as Postgres wrote them, or
 # read straight from rows); the model documents them and is what a client reads them into.
 @router.get(
     "/{run_id}/metrics",
     response_model=MetricSeriesPublic,
     response_class=JSONResponse,
+    dependencies=[Depends(_no_format)],
 )
 def read_metrics(
     run: RunDep, session: SessionDep, names: MetricNamesDep, max_points: MaxPoints = None
@@ -340,7 +354,12 @@ def read_metrics_csv(
     return _csv(body, run.id, "metrics")
 
 
-@router.get("/{run_id}/eval", response_model=EvalSummaryPublic, response_class=JSONResponse)
+@router.get(
+    "/{run_id}/eval",
+    response_model=EvalSummaryPublic,
+    response_class=JSONResponse,
+    dependencies=[Depends(_no_format)],
+)
 def read_eval(run: RunDep, session: SessionDep, max_points: MaxPoints = None) -> JSONResponse:
     """Per eval set: baseline (step 0), latest, best (lowest cross-entropy), history, and the
     first records it skipped (`skipped_examples`). As CSV: `GET /runs/{id}/eval.csv`."""

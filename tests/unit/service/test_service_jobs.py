@@ -650,3 +650,15 @@ def test_an_empty_path_is_refused_naming_its_field_without_contradiction(api: Ap
     ):
         for name in fields:
             assert doc[model]["properties"][name]["minLength"] == 1, (model, name)
+
+
+@pytest.mark.parametrize("route", ["metrics", "eval"])
+def test_the_old_csv_query_is_refused_naming_the_route_of_its_own(api: Api, route: str) -> None:
+    """`?format=csv` on a JSON route is 422 naming `format` and the CSV route, never JSON
+    that an old client would take for CSV."""
+    answer = api.client.get(f"/runs/run_nope/{route}", params={"format": "csv"}, headers=api.admin)
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert [d["path"] for d in error["details"]] == ["query.format"]
+    assert f"/runs/{{id}}/{route}.csv" in error["details"][0]["message"]
