@@ -68,17 +68,17 @@ def print_json(answer: BaseModel | dict[str, Any]) -> None:
 
 
 def load_workflow(path: Path) -> dict[str, Any]:
-    """Read a workflow file, with relative paths resolved against the file's own folder."""
-    from runtime.path import resolve_paths
+    """Read a workflow file (client.read_workflow: relative paths resolved against the file's
+    own folder); what cannot be read is bad input, named with the file."""
+    from client.client import read_workflow
 
     try:
-        doc = json.loads(path.read_text())
+        return read_workflow(path)
     except FileNotFoundError as err:
         raise fail(f"workflow file {path} not found", EXIT_BAD_INPUT) from err
     except json.JSONDecodeError as err:
         raise fail(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}", 2) from err
     except (OSError, UnicodeDecodeError) as err:
         raise fail(f"workflow file {path} cannot be read: {err}", EXIT_BAD_INPUT) from err
-    if not isinstance(doc, dict):
-        raise fail(f"{path}: a workflow must be a JSON object", EXIT_BAD_INPUT)
-    return resolve_paths(doc, path.resolve().parent)
+    except ValueError as err:  # not a JSON object
+        raise fail(str(err), EXIT_BAD_INPUT) from err

@@ -11,8 +11,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from client.events import Event, parse_events
 from client.http import Http
 from contracts.api import (
@@ -36,7 +34,7 @@ from contracts.api import (
 )
 from contracts.jobs import EvaluateRequest, InspectRequest, Job, JobKind, PrepareRequest
 
-# Where each CSV export is read; `{run_id}` is filled in, the query merged with the call's.
+# Where each CSV export is read; `{run_id}` is filled in.
 METRICS_CSV_URL = "/runs/{run_id}/metrics.csv"
 EVAL_CSV_URL = "/runs/{run_id}/eval.csv"
 
@@ -55,10 +53,14 @@ Workflow = Mapping[str, Any] | Path
 
 def read_workflow(path: Path) -> dict[str, Any]:
     """A workflow file, with its relative paths resolved against the file's own folder (as
-    `trainctl runs create FILE` sends it). Raises OSError or ValueError (invalid JSON)."""
+    `trainctl runs create FILE` sends it). Raises OSError, or ValueError: invalid JSON
+    (json.JSONDecodeError), undecodable bytes, or JSON that is not an object."""
     from runtime.path import resolve_paths
 
-    return resolve_paths(json.loads(path.read_text()), path.resolve().parent)
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a workflow must be a JSON object")
+    return resolve_paths(doc, path.resolve().parent)
 
 
 def _document(workflow: Workflow) -> dict[str, Any]:
@@ -266,9 +268,7 @@ class Client:
         return self._download(EVAL_CSV_URL.format(run_id=run_id), dest, {})
 
     def _download(self, url: str, dest: Path, params: dict[str, Any]) -> Path:
-        # httpx replaces a URL's query with `params`: merge them, so a URL may carry its own.
-        path, _, query = url.partition("?")
-        self.http.download(path, dest, params={**dict(httpx.QueryParams(query)), **params})
+        self.http.download(url, dest, params=params)
         return dest
 
     def checkpoints(self, run_id: str, *, status: str = "usable") -> CheckpointsPublic:
