@@ -35,6 +35,8 @@ SEPARATOR = os.pathsep
 # Under the artifact root: the folder of runs' checkpoints (service.workers.lease:
 # <root>/runs/<run>).
 RUNS_FOLDER = "runs"
+# The URI schemes of an object store as artifact root (runtime.store), whose runs/ is no folder.
+STORE_SCHEMES = ("s3://",)
 
 # What a path names: data (a data file, a tokenizer) or a checkpoint (weights and config).
 PathUse = Literal["data", "checkpoint"]
@@ -71,7 +73,9 @@ class DataRoots:
         resolved = tuple(dict.fromkeys(_real(root) for root in roots))
         if not resolved:
             raise ValueError(f"{ROOTS_VARIABLE} names no folder")
-        extra = () if artifact_root is None else (_real(Path(artifact_root) / RUNS_FOLDER),)
+        # An object store's runs are no local folder: checkpoints there are named by URI.
+        local = artifact_root is not None and not str(artifact_root).startswith(STORE_SCHEMES)
+        extra = (_real(Path(artifact_root) / RUNS_FOLDER),) if local and artifact_root else ()
         return cls(roots=resolved, checkpoint_roots=extra)
 
     def allowed(self, use: PathUse) -> tuple[Path, ...]:

@@ -17,6 +17,7 @@ from contracts.bounds import MAX_BUDGET
 from contracts.dispatch import DEFAULT_QUEUE
 from contracts.paths import DataRoots, split_roots
 from runtime.logs import LogFormat
+from runtime.store import normalize_root
 
 DEFAULT_HOME = "~/.trainctl"
 _DATABASE_SCHEMES = ("sqlite:", "postgresql:", "postgresql+psycopg:", "postgres:")
@@ -41,10 +42,12 @@ class ServiceSettings(BaseSettings):
         description="The Celery broker the service sends attempts and jobs on: "
         "redis://host:6379/0 in production, or filesystem:///folder (embedded).",
     )
-    artifact_root: Path = Field(
-        Path(),
-        description="The artifact store (checkpoints, eval outputs, token stores): a folder "
-        "the service and every worker read at the same path.",
+    artifact_root: str = Field(
+        "",
+        description="The artifact store (checkpoints, token stores): a folder the service and "
+        "every worker read at the same path, or s3://BUCKET/PREFIX on an S3-compatible store "
+        "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION), which needs no shared disk.",
     )
     api_url: str = Field(
         "http://127.0.0.1:8600",
@@ -148,7 +151,7 @@ class ServiceSettings(BaseSettings):
         if not data.get("broker_url"):
             data["broker_url"] = f"filesystem://{home.resolve() / 'broker'}"
         if not data.get("artifact_root"):
-            data["artifact_root"] = home / "artifacts"
+            data["artifact_root"] = str(home / "artifacts")
         roots = data.get("data_roots")
         if isinstance(roots, str):
             roots = data["data_roots"] = split_roots(roots)
@@ -158,10 +161,15 @@ class ServiceSettings(BaseSettings):
             data["data_roots"] = (data["data_root"],)
         return data
 
-    @field_validator("home", "data_root", "artifact_root")
+    @field_validator("home", "data_root")
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().resolve()
+
+    @field_validator("artifact_root")
+    @classmethod
+    def _artifact_root(cls, value: str) -> str:
+        return normalize_root(value)
 
     @field_validator("data_roots")
     @classmethod

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from contracts.dispatch import DEFAULT_QUEUE
 from contracts.paths import DataRoots, split_roots
 from runtime.logs import LogFormat
+from runtime.store import normalize_root
 from worker.failpoint_spec import parse
 
 
@@ -42,10 +43,24 @@ class WorkerSettings(BaseSettings):
         description="The Celery broker the worker consumes: redis://host:6379/0 in production; "
         "empty: the embedded broker folder under home.",
     )
-    artifact_root: Path = Field(
+    artifact_root: str = Field(
+        "",
+        description="The artifact store, as the service names it (a folder, or "
+        "s3://BUCKET/PREFIX): jobs keep their token stores under it; an attempt takes the "
+        "root from its claim.",
+    )
+    cache_dir: Path = Field(
         Path(),
-        description="The artifact store, as the service reads it: jobs keep their token stores "
-        "under it; an attempt takes the root from its claim.",
+        description="This worker's local cache of an object store's artifacts (checkpoints "
+        "staged and downloaded, token stores, input objects); empty: <home>/cache. Unused "
+        "with a folder as the artifact store.",
+    )
+    cache_max_bytes: int = Field(
+        100 * 2**30,
+        ge=0,
+        description="The cache's bound in bytes: past it, the least recently used entries are "
+        "evicted (never one in use). Size it to at least the largest checkpoint plus the "
+        "token stores of a phase.",
     )
     queue: str = Field(DEFAULT_QUEUE, description="The broker queue the worker consumes.")
     data_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
@@ -147,10 +162,15 @@ class WorkerSettings(BaseSettings):
             )
         return self
 
-    @field_validator("home", "artifact_root")
+    @field_validator("home", "cache_dir")
     @classmethod
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("artifact_root")
+    @classmethod
+    def _artifact_root(cls, value: str) -> str:
+        return value if not value else normalize_root(value)
 
     @field_validator("data_roots", mode="before")
     @classmethod
@@ -173,8 +193,10 @@ class WorkerSettings(BaseSettings):
         # frozen: the validator is the one place the defaults are derived from `home`.
         if not self.broker_url:
             object.__setattr__(self, "broker_url", f"filesystem://{self.home / 'broker'}")
-        if self.artifact_root == Path():
-            object.__setattr__(self, "artifact_root", self.home / "artifacts")
+        if not self.artifact_root:
+            object.__setattr__(self, "artifact_root", str(self.home / "artifacts"))
+        if self.cache_dir == Path():
+            object.__setattr__(self, "cache_dir", self.home / "cache")
         return self
 
 

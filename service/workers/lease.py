@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
+from contracts.paths import RUNS_FOLDER
 from contracts.reports import (
     CheckpointRef,
     Claim,
@@ -36,6 +36,7 @@ from contracts.reports import (
     HeartbeatAnswer,
 )
 from contracts.signature import Digests
+from runtime.store import join
 from service.checkpoints.registry import USABLE
 from service.db import database_now, rowcount
 from service.errors import ApiError, not_found
@@ -242,7 +243,7 @@ def claim_attempt(
     request: ClaimRequest,
     token: ApiToken,
     lease_seconds: float,
-    artifact_root: Path,
+    artifact_root: str,
 ) -> Claim:
     """Exactly one claimant of a queued attempt wins; the others get 409 `already_claimed`
     (or `superseded` when the attempt is no longer the run's current one). The winner's retry
@@ -335,7 +336,7 @@ def starting_checkpoint(*, session: Session, run: Run, phase_index: int) -> Chec
 
 
 def _claim_answer(
-    session: Session, attempt: Attempt, lease_seconds: float, artifact_root: Path
+    session: Session, attempt: Attempt, lease_seconds: float, artifact_root: str
 ) -> Claim:
     run = session.get(Run, attempt.run_id)
     assert run is not None and attempt.fencing_token is not None
@@ -358,7 +359,7 @@ def _claim_answer(
         initial_checkpoint=run.initial_checkpoint,
         phase_index=attempt.phase_index,
         resume_from=None if resume is None else checkpoint_ref(resume),
-        artifact_dir=str(artifact_root / "runs" / run.id),
+        artifact_dir=join(artifact_root, RUNS_FOLDER, run.id),
         encoder_version=run.signature_components.get("encoder_version"),
         devices=attempt.devices,
     )

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import posixpath
 from dataclasses import dataclass
-from pathlib import Path
 
 from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
@@ -30,6 +30,7 @@ from contracts.reports import (
     MetricBatch,
 )
 from contracts.reports import MetricPoint as ReportedPoint
+from runtime.store import is_store_uri, join
 from service.checkpoints.registry import CHECKPOINTS_DIR, kept_best, pins
 from service.db import insert_for
 from service.errors import ApiError
@@ -53,12 +54,19 @@ from service.models import (
 from service.workers.lease import fence
 
 
-def checkpoint_path_of(artifact_root: Path, run_id: str, step: int) -> Path:
+def checkpoint_path_of(artifact_root: str, run_id: str, step: int) -> str:
     """Where a run's checkpoint of `step` lives, as the worker writes it
-    (`<artifact_root>/runs/<run_id>/checkpoints/step-NNNNNNNN`), judged on the text of the path
-    (the service need not see the artifact store)."""
-    directory = artifact_root / RUNS_FOLDER / run_id / CHECKPOINTS_DIR / f"step-{step:08d}"
-    return Path(os.path.normpath(directory))
+    (`<artifact_root>/runs/<run_id>/checkpoints/step-NNNNNNNN`, a path or an object store's
+    URI), judged on the text (the service need not see the artifact store)."""
+    return normalized(join(artifact_root, RUNS_FOLDER, run_id, CHECKPOINTS_DIR, f"step-{step:08d}"))
+
+
+def normalized(location: str) -> str:
+    """A path or URI with `.`, `..` and doubled separators resolved in its text."""
+    if is_store_uri(location):
+        scheme, rest = location.split("://", 1)
+        return f"{scheme}://{posixpath.normpath(rest)}"
+    return os.path.normpath(location)
 
 
 def finite_or_none(value: float) -> float | None:
@@ -275,7 +283,7 @@ def register_checkpoint(
     report: CheckpointReport,
     token: ApiToken,
     lease_seconds: float,
-    artifact_root: Path,
+    artifact_root: str,
 ) -> Checkpoint:
     """Record a complete checkpoint. The same step registered again (a resumed attempt writing
     it anew) replaces the earlier entry. It must be this attempt's: its path the step's own
@@ -292,7 +300,7 @@ def register_checkpoint(
     )
     ref = report.checkpoint
     expected = checkpoint_path_of(artifact_root, attempt.run_id, ref.step)
-    if Path(os.path.normpath(ref.path)) != expected:
+    if normalized(ref.path) != expected:
         session.rollback()
         raise ApiError(
             422,
