@@ -22,6 +22,7 @@ links.
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +44,39 @@ PathUse = Literal["data", "checkpoint"]
 
 
 def split_roots(value: str) -> list[str]:
-    """The folders of a `TRAINCTL_DATA_ROOTS` value: `os.pathsep`-separated, blanks ignored."""
-    return [part.strip() for part in value.split(SEPARATOR) if part.strip()]
+    """The folders of a `TRAINCTL_DATA_ROOTS` value: `os.pathsep`-separated, blanks ignored.
+    An object store prefix (`s3://bucket/data`) is one root, its `://` no separator."""
+    parts = [part.strip() for part in value.split(SEPARATOR)]
+    joined: list[str] = []
+    for part in parts:
+        if joined and part.startswith("//") and f"{joined[-1]}://" in STORE_SCHEMES:
+            joined[-1] = f"{joined[-1]}:{part}"
+        elif part:
+            joined.append(part)
+    return joined
+
+
+def is_uri(value: str | Path) -> bool:
+    """An object in an object store (`s3://...`), not a local path."""
+    return isinstance(value, str) and value.startswith(STORE_SCHEMES)
+
+
+def _uri_prefix(value: str) -> str:
+    """A URI root as a prefix that matches only what lies below it."""
+    return value.rstrip("/") + "/"
 
 
 def _real(path: str | Path) -> Path:
     """`path` with `~` expanded and every symlink and `..` resolved (what exists of it)."""
     return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _normalized_uri(uri: str) -> str:
+    """`s3://bucket/a/../b` as `s3://bucket/b`: `..` and `.` resolved in the text, so that a
+    URI cannot climb out of a prefix."""
+    scheme, rest = uri.split("://", 1)
+    normal = posixpath.normpath(rest) if rest else rest
+    return f"{scheme}://{normal}"
 
 
 def _inside(path: Path, roots: Iterable[Path]) -> bool:
@@ -63,6 +90,10 @@ class DataRoots:
 
     roots: tuple[Path, ...]
     checkpoint_roots: tuple[Path, ...] = ()
+    # Object store prefixes (`s3://bucket/data/`), each ending in `/`: the URI roots of data
+    # and of checkpoints (an object store artifact root's `runs/`).
+    uri_roots: tuple[str, ...] = ()
+    checkpoint_uri_roots: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -70,13 +101,28 @@ class DataRoots:
     ) -> DataRoots:
         """The rule over `roots` (each resolved now), with `<artifact_root>/runs` for
         checkpoints when an artifact root is given."""
-        resolved = tuple(dict.fromkeys(_real(root) for root in roots))
-        if not resolved:
+        given = [str(root) if is_uri(str(root)) else root for root in roots]
+        uris = tuple(
+            dict.fromkeys(_uri_prefix(r) for r in given if isinstance(r, str) and is_uri(r))
+        )
+        local = [r for r in given if not (isinstance(r, str) and is_uri(r))]
+        resolved = tuple(dict.fromkeys(_real(root) for root in local))
+        if not resolved and not uris:
             raise ValueError(f"{ROOTS_VARIABLE} names no folder")
-        # An object store's runs are no local folder: checkpoints there are named by URI.
-        local = artifact_root is not None and not str(artifact_root).startswith(STORE_SCHEMES)
-        extra = (_real(Path(artifact_root) / RUNS_FOLDER),) if local and artifact_root else ()
-        return cls(roots=resolved, checkpoint_roots=extra)
+        store = artifact_root is not None and is_uri(str(artifact_root))
+        extra = (_real(Path(artifact_root) / RUNS_FOLDER),) if artifact_root and not store else ()
+        extra_uris = (
+            (_uri_prefix(f"{str(artifact_root).rstrip('/')}/{RUNS_FOLDER}"),) if store else ()
+        )
+        return cls(
+            roots=resolved,
+            checkpoint_roots=extra,
+            uri_roots=uris,
+            checkpoint_uri_roots=extra_uris,
+        )
+
+    def allowed_uris(self, use: PathUse) -> tuple[str, ...]:
+        return self.uri_roots + (self.checkpoint_uri_roots if use == "checkpoint" else ())
 
     def allowed(self, use: PathUse) -> tuple[Path, ...]:
         return self.roots + (self.checkpoint_roots if use == "checkpoint" else ())
@@ -86,6 +132,13 @@ class DataRoots:
         the run folder it lies in (the run's id) and the parts below that folder; None when it
         resolves elsewhere, or names runs/ itself. Symlinks and `..` are followed first, so a
         link in a data root into another run's folder is found too."""
+        if is_uri(path):
+            normal = _normalized_uri(path)
+            for prefix in self.checkpoint_uri_roots:
+                if normal.startswith(prefix) and normal != prefix:
+                    run, *parts = normal.removeprefix(prefix).split("/")
+                    return run, tuple(parts)
+            return None
         try:
             real = _real(path)
         except (OSError, ValueError, RuntimeError):  # as `refusal`: a path the OS cannot use
@@ -98,7 +151,7 @@ class DataRoots:
 
     def describe(self, use: PathUse = "data") -> str:
         """The folders of `use`, for messages: "/srv/data, /srv/shared"."""
-        return ", ".join(str(root) for root in self.allowed(use))
+        return ", ".join([*(str(root) for root in self.allowed(use)), *self.allowed_uris(use)])
 
     def refusal(self, path: str, use: PathUse = "data") -> str | None:
         """Why `path` (absolute) may not be read, or None. A path outside every root is named
@@ -108,6 +161,14 @@ class DataRoots:
             return EMPTY_PATH
         if "\0" in path:
             return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
+        if is_uri(path):
+            normal = _normalized_uri(path)
+            if not any(normal.startswith(prefix) for prefix in self.allowed_uris(use)):
+                return (
+                    f"{path} is outside the {self._folders(use)} ({self.describe(use)}); "
+                    f"trainctl reads objects only under the prefixes of {ROOTS_VARIABLE}"
+                )
+            return None
         try:
             given = Path(path).expanduser()
             if not given.is_absolute():

@@ -194,6 +194,8 @@ def environment_free(value: Any) -> str:
     """A default as text, with this machine's paths written as the expressions they come
     from: the stand-in home as `$TRAINCTL_HOME`, the working directory as `$PWD`, the user's
     home as `~`."""
+    if isinstance(value, str) and value.startswith("/"):
+        value = Path(value)  # a folder kept as text (it may be a URI too)
     if not isinstance(value, Path):
         return str(value).replace(str(_HOME), "$TRAINCTL_HOME")
     if value == Path.cwd():  # exactly: the working directory may lie anywhere, "/" included

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.bounds import MAX_BUDGET
 from contracts.dispatch import DEFAULT_QUEUE
-from contracts.paths import DataRoots, split_roots
+from contracts.paths import DataRoots, is_uri, split_roots
 from runtime.logs import LogFormat
 from runtime.store import normalize_root
 
@@ -65,10 +65,11 @@ class ServiceSettings(BaseSettings):
         "folder; default: the first of the data roots when those are set, else the working "
         "directory.",
     )
-    data_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
+    data_roots: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
-        description="Every path the API accepts must resolve inside one of these folders, "
-        'separated by os.pathsep (":"); default: the data root alone.',
+        description="Every path the API accepts must resolve inside one of these folders or "
+        'object store prefixes (s3://BUCKET/PREFIX), separated by os.pathsep (":"); default: '
+        "the data root alone.",
     )
     lease_seconds: float = Field(
         default=60.0,
@@ -156,7 +157,8 @@ class ServiceSettings(BaseSettings):
         if isinstance(roots, str):
             roots = data["data_roots"] = split_roots(roots)
         if not data.get("data_root"):
-            data["data_root"] = roots[0] if roots else Path.cwd()
+            folders = [r for r in roots or () if not is_uri(str(r))]
+            data["data_root"] = folders[0] if folders else Path.cwd()
         if not roots:
             data["data_roots"] = (data["data_root"],)
         return data
@@ -166,15 +168,19 @@ class ServiceSettings(BaseSettings):
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().resolve()
 
-    @field_validator("artifact_root")
+    @field_validator("artifact_root", mode="before")
     @classmethod
-    def _artifact_root(cls, value: str) -> str:
+    def _artifact_root(cls, value: str | Path) -> str:
         return normalize_root(value)
 
-    @field_validator("data_roots")
+    @field_validator("data_roots", mode="before")
     @classmethod
-    def _resolved(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
-        return tuple(dict.fromkeys(root.expanduser().resolve() for root in value))
+    def _resolved(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = split_roots(value)
+        if isinstance(value, list | tuple):
+            return tuple(dict.fromkeys(normalize_root(root) for root in value))
+        return value
 
     @property
     def paths(self) -> DataRoots:

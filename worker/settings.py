@@ -63,7 +63,7 @@ class WorkerSettings(BaseSettings):
         "token stores of a phase.",
     )
     queue: str = Field(DEFAULT_QUEUE, description="The broker queue the worker consumes.")
-    data_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
+    data_roots: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
         description="The folders a claim's or a job's files must resolve inside, as the "
         "service reads them (os.pathsep-separated); checked again before anything is read. "
@@ -167,15 +167,19 @@ class WorkerSettings(BaseSettings):
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
 
-    @field_validator("artifact_root")
+    @field_validator("artifact_root", mode="before")
     @classmethod
-    def _artifact_root(cls, value: str) -> str:
+    def _artifact_root(cls, value: str | Path) -> str:
         return value if not value else normalize_root(value)
 
     @field_validator("data_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
-        return split_roots(value) if isinstance(value, str) else value
+        if isinstance(value, str):
+            value = split_roots(value)
+        if isinstance(value, list | tuple):
+            return tuple(str(root) if isinstance(root, Path) else root for root in value)
+        return value
 
     def paths(self, artifact_root: Path | None = None) -> DataRoots:
         """The rule for what this worker reads; checkpoints may also lie in the artifact store

@@ -7,6 +7,7 @@ import base64
 import json
 import threading
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -379,7 +380,7 @@ def test_worker_protocol_runs_every_phase_to_success(
         str(api.settings.data_root / "pretrain.jsonl"),
         str(api.settings.data_root / "summaries.jsonl"),
     }
-    assert claim["artifact_dir"] == str(api.settings.artifact_root / "runs" / run_id)
+    assert claim["artifact_dir"] == str(Path(api.settings.artifact_root) / "runs" / run_id)
     assert claim["lease_seconds"] == api.settings.lease_seconds
     assert_error(Worker(api, first.attempt_id).claim(pid=9), 409, "already_claimed")
     assert get_run(api, run_id)["status"] == "running"

@@ -106,7 +106,9 @@ def in_thread(send: Callable[[], Any]) -> Callable[[], Any]:
 
 def register_checkpoint(api: Api, run: dict[str, Any], step: int) -> Path:
     """A checkpoint directory of `run` at `step`, registered as a worker would have."""
-    path = api.settings.artifact_root / "runs" / run["id"] / "checkpoints" / f"step-{step:08d}"
+    path = (
+        Path(api.settings.artifact_root) / "runs" / run["id"] / "checkpoints" / f"step-{step:08d}"
+    )
     write_model_dir(path, f"weights at step {step}")
     with api.sessions() as session:
         attempt = session.get(Attempt, run["attempts"][0]["id"])

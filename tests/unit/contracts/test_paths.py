@@ -143,3 +143,25 @@ def test_an_empty_path_is_refused_as_empty_not_as_relative(tree: Path) -> None:
     roots = DataRoots.of([tree / "data"])
     assert roots.refusal("") == EMPTY_PATH
     assert "not an absolute path" not in (roots.refusal("file.jsonl") or "")
+
+
+def test_object_store_prefixes_are_roots() -> None:
+    from contracts.paths import split_roots
+
+    assert split_roots("/srv/data:s3://bucket/data:/srv/more") == [
+        "/srv/data",
+        "s3://bucket/data",
+        "/srv/more",
+    ]
+    roots = DataRoots.of(["s3://bucket/data/"], artifact_root="s3://bucket/artifacts")
+    assert roots.refusal("s3://bucket/data/corpus.jsonl") is None
+    assert roots.refusal("s3://bucket/data/sub/tok.json") is None
+    refused = roots.refusal("s3://bucket/database/x")  # a prefix of the name is not a root
+    assert refused is not None and "s3://bucket/data/" in refused
+    assert roots.refusal("s3://bucket/data/../secret/x") is not None
+    assert roots.refusal("s3://bucket/artifacts/runs/r1/checkpoints/step-00000005") is not None
+    run_checkpoint = "s3://bucket/artifacts/runs/r1/checkpoints/step-00000005"
+    assert roots.refusal(run_checkpoint, "checkpoint") is None
+    assert roots.in_runs(run_checkpoint) == ("r1", ("checkpoints", "step-00000005"))
+    assert roots.in_runs("s3://bucket/data/x") is None
+    assert roots.refusal("/srv/local/file") is not None  # no local root given

@@ -22,9 +22,9 @@ def test_the_default_root_is_the_data_root(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.chdir(tmp_path)
     settings = ServiceSettings(home=tmp_path / "home")
     assert settings.data_root == tmp_path
-    assert settings.data_roots == (tmp_path,)
+    assert settings.data_roots == (str(tmp_path),)
     explicit = ServiceSettings(home=tmp_path / "home", data_root=tmp_path / "data")
-    assert explicit.data_roots == (tmp_path / "data",)
+    assert explicit.data_roots == (str(tmp_path / "data"),)
     assert WorkerSettings(home=tmp_path / "home").paths().roots == (tmp_path,)
     worker = WorkerSettings(home=tmp_path / "home", data_root=tmp_path / "data")
     assert worker.paths().roots == (tmp_path / "data",)
@@ -37,7 +37,7 @@ def test_roots_are_read_from_the_environment_separated_by_os_pathsep(
     monkeypatch.setenv("TRAINCTL_DATA_ROOTS", f"{a}{os.pathsep} {b} {os.pathsep}")
     monkeypatch.setenv("TRAINCTL_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
     settings = ServiceSettings(home=tmp_path / "home")
-    assert settings.data_roots == (a, b)
+    assert settings.data_roots == (str(a), str(b))
     assert settings.data_root == a, "relative paths resolve against the first root"
     assert settings.paths.roots == (a, b)
     assert settings.paths.checkpoint_roots == (tmp_path / "artifacts" / "runs",)

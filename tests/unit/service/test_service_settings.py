@@ -22,7 +22,7 @@ def test_embedded_defaults_live_under_home(tmp_path: Path) -> None:
     settings = ServiceSettings(home=tmp_path)
     assert settings.database_url == f"sqlite:///{tmp_path / 'trainctl.db'}"
     assert settings.broker_url == f"filesystem://{tmp_path / 'broker'}"
-    assert settings.artifact_root == tmp_path / "artifacts"
+    assert settings.artifact_root == str(tmp_path / "artifacts")
     assert settings.queue == DEFAULT_QUEUE
     assert settings.lease_seconds == 60
     assert settings.max_preemptions == 10
