@@ -10,6 +10,8 @@ Points, for update (or checkpoint) `step`:
 - `after_step`: after the optimizer step of `step`, before its metrics, eval and checkpoint;
 - `mid_checkpoint`: inside the save of `step`, after the model weights are written into the
   temporary directory, before the manifest and the rename (in the background writer thread);
+- `mid_upload`: with an object store as artifact store, after the save's files are uploaded,
+  before its manifest commits it (in the background writer thread);
 - `after_checkpoint`: after the checkpoint of `step` is renamed into place and registered with
   the service.
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-POINTS = ("before_step", "after_step", "mid_checkpoint", "after_checkpoint")
+POINTS = ("before_step", "after_step", "mid_checkpoint", "mid_upload", "after_checkpoint")
 Action = Literal["kill", "slow", "hang", "full"]
 _PREFIXES: tuple[tuple[str, Action], ...] = (
     ("slow_", "slow"),

@@ -170,7 +170,7 @@ class WorkerSettings(BaseSettings):
     @field_validator("artifact_root", mode="before")
     @classmethod
     def _artifact_root(cls, value: str | Path) -> str:
-        return value if not value else normalize_root(value)
+        return normalize_root(value) if value else ""
 
     @field_validator("data_roots", mode="before")
     @classmethod
@@ -181,7 +181,7 @@ class WorkerSettings(BaseSettings):
             return tuple(str(root) if isinstance(root, Path) else root for root in value)
         return value
 
-    def paths(self, artifact_root: Path | None = None) -> DataRoots:
+    def paths(self, artifact_root: str | None = None) -> DataRoots:
         """The rule for what this worker reads; checkpoints may also lie in the artifact store
         at `artifact_root` (default: this worker's)."""
         roots = self.data_roots or (self.data_root or Path.cwd(),)

@@ -169,3 +169,14 @@ def assert_each_step_once(api: httpx.Client, run: dict[str, Any]) -> None:
     metrics = api.get(f"/runs/{run['id']}/metrics").json()
     for name, column in metrics.items():
         assert column["steps"] == list(range(1, run["total_steps"] + 1)), name
+
+
+def resume_when_lease_lapses(api: httpx.Client, run_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        answer = api.post(f"/runs/{run_id}/resume")
+        if answer.status_code != 409 or time.monotonic() > deadline:
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+        assert answer.json()["error"]["code"] == "run_active", answer.text
+        time.sleep(0.5)

@@ -26,7 +26,7 @@ from exact import (
     reference_run,
     workflow,
 )
-from procs import Proc, Stack, processes, wait_for_run
+from procs import Proc, Stack, processes, resume_when_lease_lapses, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -53,17 +53,6 @@ def submission(objective: str, tmp_path: Path) -> dict[str, Any]:
             make_initial_checkpoint(tmp_path / "initial", doc["model"]["config"])
         )
     return body
-
-
-def resume_when_lease_lapses(api: httpx.Client, run_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while True:
-        answer = api.post(f"/runs/{run_id}/resume")
-        if answer.status_code != 409 or time.monotonic() > deadline:
-            assert answer.status_code == 200, answer.text
-            return answer.json()
-        assert answer.json()["error"]["code"] == "run_active", answer.text
-        time.sleep(0.5)
 
 
 def kill_and_resume(

@@ -21,11 +21,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.paths import RUNS_FOLDER
+from runtime.store import is_store_uri, join
 from worker.checkpoint.manifest import MANIFEST, check
 from worker.checkpoint.shards import SHARDS_METADATA
 from worker.error import CheckpointError
 from worker.files import fsync_dir
 from worker.model.model import WEIGHTS_FILE
+from worker.settings import get_settings
 
 CHECKPOINTS_DIR = "checkpoints"
 # Parts. The model (config.json, WEIGHTS_FILE) and the tokenizer files are written by
@@ -66,6 +69,33 @@ def step_dir_name(step: int) -> str:
 
 def checkpoints_dir(artifact_dir: str | Path) -> Path:
     return Path(artifact_dir) / CHECKPOINTS_DIR
+
+
+def local_artifact_dir(artifact_dir: str) -> Path:
+    """Where this process keeps a run's artifacts: the folder `artifact_dir` itself, or for a
+    run on an object store, its place in this worker's cache (`<cache_dir>/runs/<run>`)."""
+    if not is_store_uri(artifact_dir):
+        return Path(artifact_dir)
+    return get_settings().cache_dir / RUNS_FOLDER / artifact_dir.rstrip("/").rsplit("/", 1)[-1]
+
+
+def local_path(location: str) -> Path:
+    """Where this process reads the checkpoint the service names `location` by: the path
+    itself, or for a checkpoint on an object store (`<root>/runs/<run>/checkpoints/step-N`),
+    its copy in this worker's cache (`<cache_dir>/runs/<run>/checkpoints/step-N`), which
+    `fetch` fills."""
+    if not is_store_uri(location):
+        return Path(location)
+    run_dir, _, step = location.rstrip("/").rpartition(f"/{CHECKPOINTS_DIR}/")
+    return local_artifact_dir(run_dir) / CHECKPOINTS_DIR / step
+
+
+def published_path(artifact_dir: str, local: Path) -> str:
+    """The name the service knows the checkpoint at `local` by: its URI on an object store,
+    its path otherwise."""
+    if not is_store_uri(artifact_dir):
+        return str(local)
+    return join(artifact_dir, CHECKPOINTS_DIR, local.name)
 
 
 def step_of(path: Path) -> int | None:
@@ -150,9 +180,22 @@ def select_expired(
     of an attempt that died before registering them, which this attempt will overwrite, and
     must not push the ones the service holds out of `keep_last`. Deletes nothing: the caller
     deletes each once the service recorded its deletion."""
+    paths = dict(list_checkpoints(directory))
+    steps = expired_steps(list(paths), keep_last=keep_last, keep_steps=keep_steps, newest=newest)
+    return [(step, paths[step]) for step in steps]
+
+
+def expired_steps(
+    steps: Iterable[int],
+    *,
+    keep_last: int,
+    keep_steps: Iterable[int] = (),
+    newest: int | None = None,
+) -> list[int]:
+    """The rule of `select_expired` over bare steps (of a folder, or of an object store)."""
     kept = set(keep_steps)
-    ranked = [(s, p) for s, p in list_checkpoints(directory) if newest is None or s <= newest]
-    return [(s, p) for rank, (s, p) in enumerate(ranked) if rank >= keep_last and s not in kept]
+    ranked = sorted((s for s in steps if newest is None or s <= newest), reverse=True)
+    return [s for rank, s in enumerate(ranked) if rank >= keep_last and s not in kept]
 
 
 def remove_stale_temporaries(directory: Path) -> None:

@@ -21,6 +21,7 @@ from worker.checkpoint.layout import (
     RNG,
     CheckpointState,
     list_checkpoints,
+    local_path,
     quarantine_checkpoint,
     read_state,
     verify_checkpoint,
@@ -117,7 +118,7 @@ def select_resume_checkpoint(
                 f"{phase_index - 1}, but the claim of attempt {claim.attempt_id} names none"
             )
         return None
-    path = Path(claim.resume_from.path)
+    path = local_path(claim.resume_from.path)  # on an object store: fetched before (runner)
     try:
         loaded = _verified(path, verify)
     except CheckpointError as err:

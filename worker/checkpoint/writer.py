@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -330,9 +331,14 @@ class CheckpointWriter:
     anything outside its own temporary directory, so a save in flight when the attempt is
     stopped or superseded harms nothing. A failed write raises from `poll`/`wait`."""
 
-    def __init__(self, *, directory: Path, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, *, directory: Path, tokenizer: Tokenizer, upload: Callable[[Path], None] | None = None
+    ) -> None:
         self._directory = directory
         self._tokenizer = tokenizer
+        # On an object store: the save's files go up in the same background thread, after the
+        # local write (worker.remote.checkpoints); the loop only commits the manifest.
+        self._upload = upload
         self._buffers = CpuBuffers()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending: tuple[CheckpointState, Future[Path]] | None = None
@@ -358,12 +364,20 @@ class CheckpointWriter:
             buffers=self._buffers,
             sharded=sharded,
         )
-        future = self._executor.submit(
-            write_temporary, directory=self._directory, snapshot=copy, tokenizer=self._tokenizer
-        )
+        future = self._executor.submit(self._write, copy)
         self._pending = (state, future)
         self.last_started = state.step
         return previous
+
+    def _write(self, copy: Snapshot) -> Path:
+        tmp = write_temporary(directory=self._directory, snapshot=copy, tokenizer=self._tokenizer)
+        if self._upload is not None:
+            try:
+                self._upload(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return tmp
 
     def poll(self) -> tuple[CheckpointState, Path] | None:
         """The save in flight, if it has finished (once), with its temporary directory; None

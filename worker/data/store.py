@@ -61,11 +61,13 @@ from contracts.jobs import PreparedStore, PrepareRequest
 from contracts.reports import Claim
 from contracts.workflow import ENCODER_VERSION
 from runtime.digest import digest_path
+from runtime.store import is_store_uri
 from worker.data.encode import ZERO_TARGET, EncodedBatch, assemble_batch, tokenize, too_long
 from worker.data.records import ELASTIC, Record, RecordError, iter_records
 from worker.data.tokenizer import special_token_ids
 from worker.error import DataError
 from worker.files import fsync_dir, fsync_file
+from worker.settings import get_settings
 
 if TYPE_CHECKING:
     from hashlib import _Hash as Hash
@@ -169,13 +171,17 @@ class InvalidLine:
 
 
 def store_root(root: str | Path) -> Path:
-    """Where the token stores of the artifact store at `root` live."""
+    """Where the token stores of the artifact store at `root` live: under it, or for an object
+    store, in this worker's cache."""
+    if is_store_uri(root):
+        return get_settings().cache_dir / STORE_DIR
     return Path(root) / STORE_DIR
 
 
-def artifact_root(claim: Claim) -> Path:
-    """The artifact store a claim's run lives in: its `artifact_dir` is `<root>/runs/<run>`."""
-    return Path(claim.artifact_dir).parents[1]
+def artifact_root(claim: Claim) -> str:
+    """The artifact store a claim's run lives in (a folder or an object store URI): its
+    `artifact_dir` is `<root>/runs/<run>`."""
+    return claim.artifact_dir.rstrip("/").rsplit("/", 2)[0]
 
 
 # --- reading --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from contracts.workflow import ENCODER_VERSION, Workflow
 from runtime.digest import digest_path
 from worker.data.store import DIGESTS, artifact_root, store_root
 from worker.error import ConfigError, SignatureMismatch, TrainingError
+from worker.remote.checkpoints import fetch_claimed
 from worker.settings import WorkerSettings
 
 # Random per process: containers of one image share a hostname and often pid 1, so those two
@@ -66,6 +67,7 @@ def verified_workflow(
 ) -> Workflow:
     workflow = parse_workflow(claim)
     verify_encoder(claim)
+    fetch_claimed(claim)  # on an object store: the checkpoint it starts from, into the cache
     verify_inputs(claim, workflow, progress, roots=settings.paths(artifact_root(claim)))
     return workflow
 

@@ -18,7 +18,12 @@ from worker import failpoint, metrics
 from worker.checkpoint.layout import (
     CheckpointState,
     checkpoints_dir,
+    expired_steps,
+    list_checkpoints,
+    local_artifact_dir,
+    published_path,
     select_expired,
+    step_dir_name,
     temporary_name,
 )
 from worker.checkpoint.shards import ShardedSave, ShardWriter
@@ -26,6 +31,7 @@ from worker.checkpoint.writer import CheckpointWriter, publish_checkpoint
 from worker.link.reporter import Reporter
 from worker.model.optim import Optimizers
 from worker.model.rng import PrivateRandom
+from worker.remote.checkpoints import RemoteCheckpoints
 from worker.train.ledger import TokenLedger
 from worker.train.ranks import Ranks
 
@@ -57,6 +63,7 @@ class CheckpointKeeper:
         claim: Claim,
         workflow: Workflow,
         latest: CheckpointRef | None,
+        remote: RemoteCheckpoints | None = None,
     ) -> None:
         offsets = workflow.phase_offsets()
         self._writer = writer
@@ -66,7 +73,10 @@ class CheckpointKeeper:
         self._claim = claim
         self._phase = workflow.phases[claim.phase_index]
         self._offset = offsets[claim.phase_index]
-        self._directory = checkpoints_dir(claim.artifact_dir)
+        self._directory = checkpoints_dir(local_artifact_dir(claim.artifact_dir))
+        # On an object store: the run's checkpoints there, committed by manifest; the local
+        # folder is then only the staging area (worker.remote.checkpoints).
+        self._remote = remote
         self._keep_last = workflow.checkpoint.keep_last
         # Each phase's final checkpoint is kept: the next phase starts from it.
         self._phase_finals = [o + p.steps for o, p in zip(offsets, workflow.phases, strict=True)]
@@ -123,9 +133,13 @@ class CheckpointKeeper:
         if action == "stop":
             raise StopOrdered
         self.pause_ordered = self.pause_ordered or action == "pause"
-        path = publish_checkpoint(tmp)
+        if self._remote is None or self._remote.commit(tmp):
+            path = publish_checkpoint(tmp)
+        else:  # another writer's checkpoint of this step stands: this save is dropped
+            shutil.rmtree(tmp)
+            path = self._directory / step_dir_name(state.step)
         self.latest = CheckpointRef(
-            path=str(path),
+            path=published_path(self._claim.artifact_dir, path),
             step=state.step,
             phase_index=state.phase_index,
             phase_step=state.phase_step,
@@ -151,17 +165,35 @@ class CheckpointKeeper:
         `checkpoint_pinned`). A report that is spooled (the service is unreachable) deletes
         nothing now; the next registration's retention reports it again."""
         reason = f"retention: keep_last {self._keep_last}, step {newest} registered"
+        keep = [*self._phase_finals, *pinned]
+        if self._remote is not None:
+            self._retire_remote(newest=newest, keep=keep, reason=reason)
+            return
         expired = select_expired(
-            self._directory,
-            keep_last=self._keep_last,
-            keep_steps=[*self._phase_finals, *pinned],
-            newest=newest,
+            self._directory, keep_last=self._keep_last, keep_steps=keep, newest=newest
         )
         for step, path in expired:
             if self._reporter.checkpoint_removed(step, "deleted", reason):
                 shutil.rmtree(path)
             else:
                 log.info("keeping checkpoint %s: the service has not recorded its deletion", path)
+
+    def _retire_remote(self, *, newest: int, keep: list[int], reason: str) -> None:
+        """Retention on an object store: ranked over the committed manifests, each deletion
+        reported first as in a folder. The local staging copies of all but `newest` go too:
+        the store holds them."""
+        assert self._remote is not None
+        expired = expired_steps(
+            self._remote.steps(), keep_last=self._keep_last, keep_steps=keep, newest=newest
+        )
+        for step in expired:
+            if self._reporter.checkpoint_removed(step, "deleted", reason):
+                self._remote.delete(step)
+            else:
+                log.info("keeping checkpoint of step %d: its deletion is not recorded", step)
+        for step, path in list_checkpoints(self._directory):
+            if step != newest:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 class NoCheckpoints:

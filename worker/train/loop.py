@@ -30,7 +30,7 @@ from transformers.utils import logging as transformers_logging
 from contracts.reports import CheckpointRef, Claim
 from contracts.workflow import Phase, Workflow
 from worker import failpoint, metrics
-from worker.checkpoint.layout import checkpoints_dir, remove_stale_temporaries
+from worker.checkpoint.layout import checkpoints_dir, local_artifact_dir, remove_stale_temporaries
 from worker.checkpoint.shards import ShardWriter
 from worker.checkpoint.writer import CheckpointWriter
 from worker.data.batch import Batch, PhaseData, batch_for_step, load_phase_data
@@ -41,6 +41,7 @@ from worker.link.reporter import Reporter
 from worker.model.model import configure_determinism
 from worker.model.optim import Optimizers
 from worker.model.rng import PrivateRandom
+from worker.remote.checkpoints import RemoteCheckpoints
 from worker.train.evaluate import EvalData, load_eval_data, run_evals
 from worker.train.keeper import (
     CheckpointKeeper,
@@ -108,9 +109,12 @@ def train_phase(
     phase = workflow.phases[claim.phase_index]
     offset = workflow.phase_offsets()[claim.phase_index]
     last = offset + phase.steps
-    directory = checkpoints_dir(claim.artifact_dir)
+    directory = checkpoints_dir(local_artifact_dir(claim.artifact_dir))
+    remote = RemoteCheckpoints.of(claim.artifact_dir) if ranks.main else None
     if ranks.main:
         remove_stale_temporaries(directory)
+        if remote is not None:  # no save of this run is in flight: this attempt holds it
+            remote.collect_leftovers()
     configure_determinism(device)
     tokenizer = load_tokenizer(workflow.tokenizer)
     data, eval_data = _load_data(claim, workflow, tokenizer, reporter)
@@ -118,7 +122,7 @@ def train_phase(
     model, optimizers, rng = restored.model, restored.optimizers, restored.rng
     resumed_from = restored.resumed_from
     source_names = data.names()
-    keeper = _keeper(claim, workflow, reporter, ranks, tokenizer, restored, directory)
+    keeper = _keeper(claim, workflow, reporter, ranks, tokenizer, restored, directory, remote)
     evaluate = functools.partial(run_evals, model, workflow, eval_data, reporter, phase=phase)
     save_parts = functools.partial(  # a collective: every rank at the same step
         gather_parts, ranks, rng, model, optimizers, restored.shards, last=last, directory=directory
@@ -251,19 +255,25 @@ def _keeper(
     tokenizer: Tokenizer,
     restored: Restored,
     directory: Path,
+    remote: RemoteCheckpoints | None,
 ) -> CheckpointKeeper | NoCheckpoints:
     """Rank 0's checkpoints (it holds the replicated state and hears the service); none on the
     other ranks. A phase resumed from a checkpoint of its own continues its checkpoints."""
     if not ranks.main:
         return NoCheckpoints()
     return CheckpointKeeper(
-        writer=CheckpointWriter(directory=directory, tokenizer=tokenizer),
+        writer=CheckpointWriter(
+            directory=directory,
+            tokenizer=tokenizer,
+            upload=None if remote is None else remote.upload_files,
+        ),
         reporter=reporter,
         model=restored.model,
         optimizers=restored.optimizers,
         claim=claim,
         workflow=workflow,
         latest=restored.resumed_from if restored.inside else None,
+        remote=remote,
     )
 
 

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from contracts.reports import CheckpointRef, Claim
 from contracts.workflow import Workflow
-from worker.checkpoint.layout import verify_checkpoint
+from worker.checkpoint.layout import local_path, published_path, verify_checkpoint
 from worker.checkpoint.resume import LoadedCheckpoint, load_checkpoint, select_resume_checkpoint
 from worker.checkpoint.shards import ShardWriter, read_shards, verifier_of
 from worker.error import CheckpointError, ConfigError, TrainingError
@@ -89,7 +89,7 @@ def restore_phase(
     if resumed is not None and resumed.whole_weights:
         load_weights(model, resumed.path)
     elif resumed is None and claim.initial_checkpoint is not None:
-        load_weights(model, claim.initial_checkpoint)
+        load_weights(model, local_path(claim.initial_checkpoint))
     # What forward and backward run through; sharded, the model's own parameters become
     # shards, so the optimizers are built over them after.
     trained = ranks.wrap(model)
@@ -127,7 +127,7 @@ def restore_phase(
     resumed_from = None
     if resumed is not None:
         resumed_from = CheckpointRef(
-            path=str(resumed.path),
+            path=published_path(claim.artifact_dir, resumed.path),
             step=resumed.state.step,
             phase_index=resumed.state.phase_index,
             phase_step=resumed.state.phase_step,

@@ -1,0 +1,121 @@
+"""A fleet with no shared filesystem: the artifact store is a bucket on an S3 server (moto in
+server mode, on loopback, spoken to over HTTP), and each worker has a home of its own.
+
+A worker SIGKILLed mid-phase, the run resumed by another worker that has never seen its disk:
+the second downloads only the checkpoint it resumes from and ends bit-identical to an
+uninterrupted run. A crash between the upload of a save's files and its manifest leaves no
+checkpoint, and the next attempt collects the files. Retention deletes objects.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from exact import differences, ledger_phases, series, workflow
+from procs import Proc, Stack, processes, resume_when_lease_lapses, wait_for_run
+from safetensors.torch import load_file
+
+from runtime.store import open_store
+from tests.conftest import S3
+from worker.remote.checkpoints import RemoteCheckpoints
+
+pytestmark = pytest.mark.integration
+
+SERVICE_ENV = {"TRAINCTL_LEASE_SECONDS": "3", "TRAINCTL_REAPER_INTERVAL_SECONDS": "3600"}
+WORKER_ENV = {"TRAINCTL_HEARTBEAT_SECONDS": "0.5"}
+
+
+def s3_stack(tmp_path: Path, postgres_url: str, procs: list[Proc], s3: S3) -> Stack:
+    return Stack(
+        tmp_path, postgres_url, procs, **SERVICE_ENV, **s3.env, TRAINCTL_ARTIFACT_ROOT=s3.root
+    )
+
+
+def host(stack: Stack, name: str, **env: str) -> Proc:
+    """A worker on a machine of its own: its home (and so its cache) shared with no one."""
+    return stack.worker(**WORKER_ENV, TRAINCTL_HOME=str(stack.tmp_path / name), **env)
+
+
+def final_state(run: dict[str, Any], into: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """The run's final weights and optimizer state, downloaded from the store."""
+    latest = run["latest_checkpoint"]
+    assert latest["path"].startswith("s3://"), latest
+    assert latest["step"] == run["total_steps"]
+    run_dir = latest["path"].rsplit("/checkpoints/", 1)[0]
+    local = RemoteCheckpoints(run_dir).fetch(latest["step"], into / run["id"])
+    optimizer = torch.load(local / "optimizer.pt", weights_only=True)
+    return load_file(local / "model.safetensors"), optimizer
+
+
+def cached_steps(home: Path, run_id: str) -> list[str]:
+    folder = home / "cache" / "runs" / run_id / "checkpoints"
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+@pytest.mark.parametrize("failpoint", ["after_checkpoint@4", "mid_upload@8"])
+def test_another_host_resumes_from_the_store_bit_identical(
+    tmp_path: Path, postgres_url: str, s3: S3, failpoint: str
+) -> None:
+    body = {"workflow": workflow("continued_pretrain")}
+    with processes() as procs:
+        stack = s3_stack(tmp_path, postgres_url, procs, s3)
+        with stack.api() as api:
+            doomed = host(stack, "host-a", TRAINCTL_TESTING="1", TRAINCTL_TEST_FAILPOINTS=failpoint)
+            created = api.post("/runs", json=body)
+            assert created.status_code == 201, created.text
+            run_id = created.json()["id"]
+            assert doomed.popen.wait(timeout=180) == -signal.SIGKILL, doomed.tail()
+            remote = RemoteCheckpoints(f"{s3.root}/runs/{run_id}")
+            prefix = f"runs/{run_id}/checkpoints/step-00000008"
+            store = open_store(s3.root)
+            if failpoint.startswith("mid_upload"):
+                # Its files are up, its manifest is not: no checkpoint of step 8 exists.
+                assert remote.steps() == [4]
+                assert [i.key for i in store.list(prefix)], "the save's files were uploaded"
+
+            survivor = host(stack, "host-b")
+            resume_when_lease_lapses(api, run_id)
+            resumed = wait_for_run(api, run_id, timeout=300, procs=[survivor])
+            assert resumed["status"] == "succeeded", resumed
+            # It downloaded the one checkpoint it resumed from, nothing else.
+            log = survivor.log.read_text().splitlines()
+            downloads = [line for line in log if "downloaded checkpoint" in line]
+            assert len(downloads) == 1 and "step-00000004" in downloads[0], downloads
+            # Its cache holds what it staged: retention keeps only the newest local copy.
+            assert cached_steps(tmp_path / "host-b", run_id) == ["step-00000012"]
+            reference = wait_for_run(
+                api, api.post("/runs", json=body).json()["id"], timeout=300, procs=[survivor]
+            )
+            assert reference["status"] == "succeeded", reference
+
+            weights, optimizer = final_state(resumed, tmp_path / "downloads")
+            ref_weights, ref_optimizer = final_state(reference, tmp_path / "downloads")
+            assert differences(weights, ref_weights) == []
+            assert differences(optimizer, ref_optimizer) == []
+            assert series(api, run_id) == series(api, reference["id"])
+            assert ledger_phases(api, run_id) == ledger_phases(api, reference["id"])
+
+            # Retention (keep_last 2) deleted step 4's objects; what remains is committed.
+            assert remote.steps() == [12, 8]
+            assert not [i.key for i in store.list(f"runs/{run_id}/checkpoints/step-00000004")]
+            listed = api.get(f"/runs/{run_id}/checkpoints").json()
+            usable = [c["step"] for c in listed["checkpoints"] if c["status"] == "usable"]
+            assert all(c["path"].startswith(s3.root) for c in listed["checkpoints"])
+            assert sorted(usable) == [8, 12], listed
+            # Every object under a step belongs to the save its manifest names: the killed
+            # writer's uploads were collected.
+            for step in (8, 12):
+                save = remote.manifest(step)["save"]
+                keys = [i.key for i in store.list(f"runs/{run_id}/checkpoints/step-{step:08d}")]
+                assert all(k.endswith("manifest.json") or f"/{save}/" in k for k in keys), keys
+            # No worker wrote under another's home, and nothing under the service's.
+            assert not (tmp_path / "home" / "artifacts").exists()
+            manifest = json.loads(
+                store.get_bytes(f"runs/{run_id}/checkpoints/step-00000012/manifest.json")
+            )
+            assert "model.safetensors" in manifest["files"]
