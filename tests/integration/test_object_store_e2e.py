@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -21,8 +21,10 @@ from procs import Proc, Stack, processes, resume_when_lease_lapses, wait_for_run
 from safetensors.torch import load_file
 
 from runtime.store import open_store
-from tests.conftest import S3
 from worker.remote.checkpoints import RemoteCheckpoints
+
+if TYPE_CHECKING:
+    from conftest import S3
 
 pytestmark = pytest.mark.integration
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -19,7 +20,9 @@ from runtime.store import (
     open_store,
     relative_key,
 )
-from tests.conftest import S3
+
+if TYPE_CHECKING:
+    from conftest import S3
 
 
 @pytest.fixture(params=["folder", "s3"])
