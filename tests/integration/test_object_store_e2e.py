@@ -10,14 +10,15 @@ checkpoint, and the next attempt collects the files. Retention deletes objects.
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from exact import differences, ledger_phases, series, workflow
-from procs import Proc, Stack, processes, resume_when_lease_lapses, wait_for_run
+from exact import differences, ledger_phases, series, shard_tensors, workflow
+from procs import Proc, Stack, processes, resume_when_lease_lapses, wait_for_run, wait_until
 from safetensors.torch import load_file
 
 from runtime.store import open_store
@@ -121,3 +122,58 @@ def test_another_host_resumes_from_the_store_bit_identical(
                 store.get_bytes(f"runs/{run_id}/checkpoints/step-00000012/manifest.json")
             )
             assert "model.safetensors" in manifest["files"]
+
+
+def test_a_sharded_phase_checkpoints_to_the_store_and_another_host_resumes_it(
+    tmp_path: Path, postgres_url: str, s3: S3
+) -> None:
+    """FSDP over two ranks on host A: its shards go up with the rest of each checkpoint. Host A
+    is lost whole (every process SIGKILLed) after the step-4 checkpoint; host B, sharing no disk
+    with it, downloads that checkpoint, reads the shards back and ends bit-identical to an
+    uninterrupted run, shards included."""
+    doc = workflow("continued_pretrain")
+    doc["phases"][0]["grad_accum"] = 2  # one microbatch a rank, the same global batch
+    doc["phases"][0]["resources"] = {"devices": 2, "sharding": "fsdp"}
+    body = {"workflow": doc}
+    ranks = {"TRAINCTL_DEVICES": "2", "TRAINCTL_COLLECTIVE_TIMEOUT_SECONDS": "60"}
+    with processes() as procs:
+        stack = Stack(
+            tmp_path,
+            postgres_url,
+            procs,
+            TRAINCTL_LEASE_SECONDS="8",
+            TRAINCTL_REAPER_INTERVAL_SECONDS="1",
+            **s3.env,
+            TRAINCTL_ARTIFACT_ROOT=s3.root,
+        )
+        with stack.api() as api:
+            lost = host(stack, "host-a", **ranks)
+            created = api.post("/runs", json=body)
+            assert created.status_code == 201, created.text
+            run_id = created.json()["id"]
+            remote = RemoteCheckpoints(f"{s3.root}/runs/{run_id}")
+            wait_until(lambda: 4 in remote.steps(), timeout=240, what="the step-4 checkpoint")
+            os.killpg(lost.pid, signal.SIGKILL)  # the machine is gone, ranks and all
+            lost.popen.wait(timeout=30)
+
+            survivor = host(stack, "host-b", **ranks)
+            resumed = wait_for_run(api, run_id, timeout=300, procs=[survivor])
+            assert resumed["status"] == "succeeded", resumed
+            assert resumed["attempts"][0]["status"] == "lost", resumed["attempts"]
+            reference = wait_for_run(
+                api, api.post("/runs", json=body).json()["id"], timeout=300, procs=[survivor]
+            )
+            assert reference["status"] == "succeeded", reference
+
+            downloads = tmp_path / "downloads"
+            weights, optimizer = final_state(resumed, downloads)
+            ref_weights, ref_optimizer = final_state(reference, downloads)
+            assert differences(weights, ref_weights) == []
+            assert differences(optimizer, ref_optimizer) == []
+            assert series(api, run_id) == series(api, reference["id"])
+            shards = shard_tensors(downloads / run_id / "step-00000012")
+            ref_shards = shard_tensors(downloads / reference["id"] / "step-00000012")
+            assert shards and differences(shards, ref_shards) == []
+            files = remote.manifest(8)["files"]
+            assert isinstance(files, dict)
+            assert {"shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"} <= set(files)
