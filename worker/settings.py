@@ -170,7 +170,7 @@ class WorkerSettings(BaseSettings):
     @field_validator("artifact_root", mode="before")
     @classmethod
     def _artifact_root(cls, value: str | Path) -> str:
-        return value if not value else normalize_root(value)
+        return normalize_root(value) if value else ""
 
     @field_validator("data_roots", mode="before")
     @classmethod

@@ -33,8 +33,9 @@ WORKER_BELOW = {
     "model": set(),
     "link": set(),
     "checkpoint": {"data", "model"},
-    "train": {"checkpoint", "data", "link", "model"},
-    "process": {"checkpoint", "data", "link", "model", "train"},
+    "remote": {"checkpoint", "data", "model"},
+    "train": {"checkpoint", "data", "link", "model", "remote"},
+    "process": {"checkpoint", "data", "link", "model", "remote", "train"},
 }
 
 # What `cli` imports only inside the command that needs it: a side, or what only a side's extra
