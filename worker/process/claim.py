@@ -166,6 +166,7 @@ def verify_inputs(
                     expected_sha256=expected,
                     progress=progress,
                     digests=root / DIGESTS,
+                    keep=[Path(p) for p in local.values()],  # this attempt's other copies
                 )
             except SignatureMismatch as err:
                 raise SignatureMismatch(f"{kind} {err}") from err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -112,7 +113,8 @@ def fetched(request: BaseModel, settings: WorkerSettings, roots: DataRoots) -> B
                 f"checkpoint: {value} is a run's checkpoint in the object store, which an "
                 "evaluation job cannot read yet; evaluate a model directory"
             )
-        update[field] = str(fetch_input(value, cache=cache))
+        kept = [Path(p) for p in update.values()]  # this job's other inputs stay
+        update[field] = str(fetch_input(value, cache=cache, keep=kept))
     return request.model_copy(update=update) if update else request
 
 

@@ -20,7 +20,7 @@ import logging
 import posixpath
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from runtime.digest import digest_path
@@ -131,6 +131,7 @@ def fetch_input(
     expected_sha256: str | None = None,
     progress: Progress = None,
     digests: Path | None = None,
+    keep: Collection[Path] = (),
 ) -> Path:
     """The local copy of the object or prefix at `uri`, in `cache`: found there when its
     objects have not changed (a head or a listing), downloaded otherwise (to a temporary
@@ -138,7 +139,8 @@ def fetch_input(
     (hashed once per copy, then cached by the file's stat): SignatureMismatch naming the URI
     and both digests otherwise, and the copy is removed. The entry is marked used and the
     cache evicted down to its bound, this entry kept. `digests`: runtime.digest's folder for the
-    copy's digest (default the cache's; the token stores' folder lets a store's key reuse it)."""
+    copy's digest (default the cache's; the token stores' folder lets a store's key reuse it).
+    `keep`: other entries (or paths in them) the caller still needs, never evicted here."""
     for _ in range(FETCH_TRIES):
         store, key, objects, is_file = _listing(uri)
         name = posixpath.basename(key.rstrip("/")) or "object"
@@ -161,7 +163,7 @@ def fetch_input(
                 "it, or start a new run)"
             )
     cache.use(entry)
-    cache.evict(in_use=[entry])
+    cache.evict(in_use=[entry, *keep])
     return local
 
 

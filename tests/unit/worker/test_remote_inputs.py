@@ -210,3 +210,15 @@ def test_an_s3_input_outside_the_data_roots_is_refused_unread(
     with pytest.raises(ConfigError, match=f"data file: {data} is outside the data roots"):
         verified_workflow(claim, settings, lambda: None)
     assert not (settings.cache_dir / "objects").exists()  # nothing was fetched
+
+
+def test_fetching_evicts_down_to_the_bound_but_not_what_the_caller_keeps(
+    s3: Any, tmp_path: Path
+) -> None:
+    cache = Cache(tmp_path / "cache", max_bytes=150)
+    uris = [put(s3.uri("data"), f"f{i}.bin", bytes([i]) * 100) for i in range(3)]
+    first = fetch_input(uris[0], cache=cache)
+    second = fetch_input(uris[1], cache=cache, keep=[first])
+    assert first.exists() and second.exists()  # 200 bytes: over the bound, both kept
+    third = fetch_input(uris[2], cache=cache, keep=[second])
+    assert not first.exists() and second.exists() and third.exists()
