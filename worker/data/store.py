@@ -29,6 +29,10 @@ A lock file serialises builders of one store on a host (two workers wanting it d
 build it); across hosts the rename decides, and the loser opens the winner's store. Opening
 checks `meta.json` against the key and every file's size: cheap, whatever the store's size.
 
+With an object store as the artifact root (`s3://`) no folder is shared: a worker keeps its
+stores in its cache and publishes each it builds, and one that misses a store downloads the
+published one before it would build it (`Published`, worker.remote.tokens).
+
 One module of over 450 lines because the format, its reader and its builder change together: a
 field of `RECORD_DTYPE` is written by `_build`, checked by `open_store` and read by `TokenFile`.
 """
@@ -52,7 +56,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -287,23 +291,27 @@ def ensure_store(
     *,
     progress: Callable[[], None] | None = None,
     fraction: Callable[[float], None] | None = None,
+    published: Published | None = None,
 ) -> tuple[TokenFile, bool]:
     """The store of `path` under `root`, built first if it is missing, and whether this call
     built it. `progress` is called as the build (or the wait for another builder) goes on;
-    `fraction` with the share of the file read so far."""
+    `fraction` with the share of the file read so far. With `published`, a missing store is
+    downloaded from there when it is published, and one built here is published."""
     final = root / key.name
     if (final / META).exists():
         with contextlib.suppress(DataError):
-            return open_store(final, key), False
+            return _opened(open_store(final, key), published), False
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{key.name}.lock", progress):
         if final.exists():  # another builder finished while this one waited, or it is damaged
             try:
-                return open_store(final, key), False
+                return _opened(open_store(final, key), published), False
             except DataError as err:
                 log.warning("%s; moving it aside and building it again", err)
                 final.rename(root / f".broken-{key.name}-{uuid.uuid4().hex[:8]}")
         _remove_temporaries(root, key)
+        if published is not None and (store := _download(key, root, published, progress)):
+            return _opened(store, published), False
         started = time.perf_counter()
         tmp = Builder.this().temporary(root, key)
         try:
@@ -327,7 +335,37 @@ def ensure_store(
             store.tokens,
             time.perf_counter() - started,
         )
-        return store, True
+        if published is not None:
+            published.publish(key.name, final)
+        return _opened(store, published), True
+
+
+def _opened(store: TokenFile, published: Published | None) -> TokenFile:
+    if published is not None:
+        published.opened(store.path)
+    return store
+
+
+def _download(
+    key: StoreKey, root: Path, published: Published, progress: Callable[[], None] | None
+) -> TokenFile | None:
+    """`key`'s store downloaded from `published` and renamed into `root`, checked as any store
+    is opened; None when none is published or what was is unusable (then it is built)."""
+    tmp = Builder.this().temporary(root, key)
+    try:
+        if not published.fetch(key.name, tmp, progress):
+            return None
+        try:
+            open_store(tmp, key)
+        except DataError as err:
+            log.warning("the published token store %s is unusable (%s); building it", key.name, err)
+            return None
+        fsync_dir(tmp)
+        os.rename(tmp, root / key.name)
+        fsync_dir(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return open_store(root / key.name, key)
 
 
 @contextlib.contextmanager
@@ -607,11 +645,32 @@ def _batches(
 # --- access ---------------------------------------------------------------------------------
 
 
+class Published(Protocol):
+    """Where stores built elsewhere are found, and this worker's builds are published: an
+    object store artifact root (worker.remote.tokens). A folder root needs none: every worker
+    opens the same `<root>/tokens/`."""
+
+    def fetch(self, name: str, into: Path, progress: Callable[[], None] | None = None) -> bool:
+        """Download the published store `name` into the new directory `into`; False when none
+        is published (or it is unusable)."""
+        ...
+
+    def publish(self, name: str, directory: Path) -> bool:
+        """Publish the complete store at `directory` as `name`."""
+        ...
+
+    def opened(self, directory: Path) -> None:
+        """The store at `directory` was opened (a cache keeps it as recently used)."""
+        ...
+
+
 class Stores:
     """The token stores under `root` for one tokenizer: `get(path, fit)` opens a file's store,
     building it first where it is missing. A file's SHA-256 comes from `digests` when the
     caller knows it (a claim's, verified before training) and from runtime.digest's cache
-    otherwise. `fraction(path, share)` hears how far a build has read its file."""
+    otherwise. `fraction(path, share)` hears how far a build has read its file. `published`:
+    where stores are downloaded from before one is built, and published to after (an object
+    store artifact root: worker.remote.tokens.token_stores gives root and publisher)."""
 
     def __init__(
         self,
@@ -621,8 +680,10 @@ class Stores:
         digests: Mapping[str, str] | None = None,
         progress: Callable[[], None] | None = None,
         fraction: Callable[[str, float], None] | None = None,
+        published: Published | None = None,
     ) -> None:
         self.root = root
+        self.published = published
         self.tokenizer = tokenizer
         # The tokenizer as loaded, whatever file or directory it came from: training and a
         # job that reads the tokenizer a checkpoint saved share stores.
@@ -668,6 +729,7 @@ class Stores:
             self.root,
             progress=self._progress,
             fraction=None if fraction is None else (lambda share: fraction(path, share)),
+            published=self.published,
         )
 
 

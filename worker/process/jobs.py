@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome, PrepareRequest
 from contracts.paths import DataRoots, PathUse
+from runtime.store import is_store_uri
 from worker import metrics
 from worker.error import ConfigError, TrainingError, origin
 from worker.link.client import ServiceClient
@@ -91,6 +93,34 @@ def confine(request: BaseModel, roots: DataRoots) -> None:
             raise ConfigError(f"{field}: {why}")
 
 
+def fetched(request: BaseModel, settings: WorkerSettings, roots: DataRoots) -> BaseModel:
+    """`request` with each of its files named by URI (`s3://`) replaced by its local copy in
+    the worker's cache (worker.remote.objects.fetch_input: fetched unless an unchanged copy is
+    there). A job has no signed digest to check them against. A checkpoint in the artifact
+    store's runs/ is a checkpoint's manifest and saves, not a model directory: it is
+    downloaded by its manifest instead (worker.remote.checkpoints) and verified."""
+    from worker.checkpoint.layout import local_path, verify_checkpoint
+    from worker.remote.cache import Cache
+    from worker.remote.checkpoints import RemoteCheckpoints, run_checkpoint
+    from worker.remote.objects import fetch_input
+
+    cache = Cache(settings.cache_dir, settings.cache_max_bytes)
+    update: dict[str, str] = {}
+    for field in ("path", "data", "tokenizer", "checkpoint"):
+        value = getattr(request, field, None)
+        if not (isinstance(value, str) and is_store_uri(value)):
+            continue
+        if field == "checkpoint" and (found := run_checkpoint(value)) is not None:
+            # A run's checkpoint in the store: its manifest's save, downloaded and verified.
+            copy = RemoteCheckpoints(found[0]).fetch(found[1], local_path(value).parent)
+            verify_checkpoint(copy)
+            update[field] = str(copy)
+            continue
+        kept = [Path(p) for p in update.values()]  # this job's other inputs stay
+        update[field] = str(fetch_input(value, cache=cache, keep=kept))
+    return request.model_copy(update=update) if update else request
+
+
 def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -> BaseModel:
     # Imported here: the work modules load tokenizers and torch, which a job of another kind
     # does not need.
@@ -100,35 +130,39 @@ def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -
         "evaluation": EvaluateRequest,
     }
     parsed = models[kind].model_validate(request)
-    confine(parsed, settings.paths())
-    if kind == "inspection":
+    roots = settings.paths()
+    confine(parsed, roots)
+    # Inputs in an object store are read from their local copies; results name them as asked.
+    local = fetched(parsed, settings, roots)
+    from worker.remote.tokens import token_stores
+
+    tokens, published = token_stores(settings.artifact_root, settings)
+    if isinstance(local, InspectRequest):
         from worker.data.inspect import inspect_file
-        from worker.data.store import Stores, store_root
+        from worker.data.store import Stores
         from worker.data.tokenizer import load_tokenizer
 
-        inspect = InspectRequest.model_validate(request)
-        stores = Stores(store_root(settings.artifact_root), load_tokenizer(inspect.tokenizer))
-        return inspect_file(inspect, stores=stores)
-    if kind == "preparation":
-        from worker.data.store import Stores, prepare_file, store_root
+        stores = Stores(tokens, load_tokenizer(local.tokenizer), published=published)
+        report = inspect_file(local, stores=stores)
+        return (
+            report.model_copy(update={"path": request["path"]}) if local is not parsed else report
+        )
+    if isinstance(local, PrepareRequest):
+        from worker.data.store import Stores, prepare_file
         from worker.data.tokenizer import load_tokenizer
 
-        prepare = PrepareRequest.model_validate(request)
-        stores = Stores(store_root(settings.artifact_root), load_tokenizer(prepare.tokenizer))
-        return prepare_file(prepare, stores)
+        stores = Stores(tokens, load_tokenizer(local.tokenizer), published=published)
+        prepared = prepare_file(local, stores)
+        return prepared.model_copy(update={"path": request["path"]})
     import torch
 
-    from worker.data.store import store_root
     from worker.model.model import select_device
     from worker.train.evaluate import evaluate_checkpoint
 
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
-    return evaluate_checkpoint(
-        EvaluateRequest.model_validate(request),
-        device=select_device(settings.device),
-        store_root=store_root(settings.artifact_root),
-    )
+    assert isinstance(local, EvaluateRequest)
+    return evaluate_checkpoint(local, device=select_device(settings.device), store_root=tokens)
 
 
 def _failed(message: str) -> JobOutcome:

@@ -24,7 +24,11 @@ from worker.files import no_space, out_of_space
 from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.link.reporter import ServiceReporter, SilentReporter, drain_spools
 from worker.model.model import select_device
-from worker.process.claim import claim_request, parse_workflow, verified_workflow
+from worker.process.claim import (
+    claim_request,
+    parse_workflow,
+    verified_claim,
+)
 from worker.process.launch import PREEMPT, REPORTING, RankFailure, owned_devices, run_ranks
 from worker.settings import WorkerSettings, get_settings
 from worker.train.loop import PhaseOutcome, train_phase
@@ -115,11 +119,13 @@ def _train_here(
     settings: WorkerSettings,
     stop_requested: Callable[[], bool],
 ) -> PhaseOutcome:
-    workflow = verified_workflow(claim, settings, reporter.progress)
+    # Its inputs verified, and those on an object store named by their local copies.
+    local = verified_claim(claim, settings, reporter.progress)
+    workflow = parse_workflow(local)
     device = select_device(settings.device)
     log.info("training %s on %s", _where(claim), device)
     return train_phase(
-        claim=claim,
+        claim=local,
         workflow=workflow,
         reporter=reporter,
         device=device,
@@ -140,25 +146,27 @@ def _train_on_ranks(
     ranks (worker.process.launch) and hand them the lease; rank 0 reports and finishes the
     attempt. A rank that fails ends the attempt here, with the first failed rank's cause."""
 
-    verified = False
+    verified: Claim | None = None
 
     def verify() -> None:
         nonlocal verified
-        verified_workflow(claim, settings, reporter.progress)
+        # The ranks get the claim with its inputs' local copies (an input on an object store
+        # is fetched here, once, for all of them).
+        local = verified_claim(claim, settings, reporter.progress)
         kind, ids = owned_devices(settings)
         if claim.devices > len(ids):
             raise ConfigError(
                 f"the phase asks for {claim.devices} devices and this worker owns {len(ids)} "
                 f"({kind}; TRAINCTL_DEVICES): it should never have been sent here"
             )
-        verified = True
+        verified = local
 
     _train_and_finish(claim, reporter, verify)  # reports a refusal; nothing else to report
-    if not verified:
+    if verified is None:
         return None
     log.info("training %s on %d ranks", _where(claim), claim.devices)
     outcome, failure = launch_ranks(
-        claim, settings=settings, stop_requested=stop_requested, handed_over=reporter.close
+        verified, settings=settings, stop_requested=stop_requested, handed_over=reporter.close
     )
     if failure is None:
         return outcome if isinstance(outcome, PhaseOutcome) else None

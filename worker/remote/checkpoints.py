@@ -249,24 +249,31 @@ class RemoteCheckpoints:
         return leftovers
 
 
+def run_checkpoint(location: str) -> tuple[str, int] | None:
+    """(the run's folder, the step) of a run's checkpoint in an object store
+    (`<root>/runs/<run>/checkpoints/step-N`); None for anything else."""
+    if not is_store_uri(location):
+        return None
+    run_dir, _, name = location.rstrip("/").rpartition(f"/{CHECKPOINTS_DIR}/")
+    step = step_of(Path(name))
+    parent = run_dir.rpartition("/")[0]
+    if step is None or not parent.endswith(f"/{RUNS_FOLDER}"):
+        return None
+    return run_dir, step
+
+
 def fetch_claimed(claim: Claim) -> None:
     """Before an attempt on an object store starts: download the checkpoint it starts from (its
     `resume_from`, or else an initial checkpoint that is another run's checkpoint in the
     store) into this worker's cache, where `local_path` finds it. Nothing else is downloaded.
     CheckpointError when the store has no such checkpoint."""
-    if claim.resume_from is not None:
-        wanted: str | None = claim.resume_from.path
-    else:
-        wanted = claim.initial_checkpoint
-    if wanted is None or not is_store_uri(wanted):
-        return
-    run_dir, _, name = wanted.rstrip("/").rpartition(f"/{CHECKPOINTS_DIR}/")
-    step = step_of(Path(name))
-    if step is None or RemoteCheckpoints.of(run_dir) is None:
-        return  # not a run's checkpoint: an input object, fetched with the inputs
-    remote = RemoteCheckpoints(run_dir)
+    wanted = claim.resume_from.path if claim.resume_from is not None else claim.initial_checkpoint
+    found = None if wanted is None else run_checkpoint(wanted)
+    if wanted is None or found is None:
+        return  # a local checkpoint, or an input object (fetched with the inputs)
+    run_dir, step = found
     try:
-        remote.fetch(step, local_path(wanted).parent)
+        RemoteCheckpoints(run_dir).fetch(step, local_path(wanted).parent)
     except FileNotFoundError as err:
         raise CheckpointError(
             f"checkpoint {wanted} is not in the object store (no {MANIFEST}): {err}"

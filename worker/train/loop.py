@@ -34,7 +34,7 @@ from worker.checkpoint.layout import checkpoints_dir, local_artifact_dir, remove
 from worker.checkpoint.shards import ShardWriter
 from worker.checkpoint.writer import CheckpointWriter
 from worker.data.batch import Batch, PhaseData, batch_for_step, load_phase_data
-from worker.data.store import Stores, artifact_root, store_root
+from worker.data.store import Stores, artifact_root
 from worker.data.tokenizer import load_tokenizer
 from worker.error import NonFiniteLoss
 from worker.link.reporter import Reporter
@@ -42,6 +42,8 @@ from worker.model.model import configure_determinism
 from worker.model.optim import Optimizers
 from worker.model.rng import PrivateRandom
 from worker.remote.checkpoints import RemoteCheckpoints
+from worker.remote.tokens import token_stores
+from worker.settings import get_settings
 from worker.train.evaluate import EvalData, load_eval_data, run_evals
 from worker.train.keeper import (
     CheckpointKeeper,
@@ -227,9 +229,13 @@ def _load_data(
     phase = workflow.phases[claim.phase_index]
     # Token stores are shared by every attempt, phase and run on the artifact store: a phase
     # whose files were tokenized before (by any run, or `trainctl data prepare`) maps them.
+    # On an object store: in this worker's cache, downloaded when another worker published
+    # them, published when built here (worker.remote.tokens).
+    root, published = token_stores(artifact_root(claim), get_settings())
     stores = Stores(
-        store_root(artifact_root(claim)),
+        root,
         tokenizer,
+        published=published,
         digests=claim.digests.data,  # verified against the files before this phase started
         progress=reporter.progress,
         fraction=reporter.preparing,
