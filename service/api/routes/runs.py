@@ -54,6 +54,7 @@ from service.reads.export import evals_csv, metrics_csv
 from service.reads.ledger import token_ledger
 from service.reads.series import metric_series_json
 from service.runs.control import cancel_run, pause_run
+from service.runs.digest import DigestJobs
 from service.runs.resume import resume_run
 from service.runs.run import create_run, run_for, update_run
 from service.runs.view import RunsCursor, list_runs, run_public, runs_public
@@ -134,6 +135,7 @@ def submit_run(
         default_max_restarts=settings.max_restarts,
         default_max_preemptions=settings.max_preemptions,
         owner_id=access.owner_filter(token),
+        digest_jobs=DigestJobs(wait=settings.digest_wait_seconds, dispatch=pump.dispatch),
     )
     if created:
         # After the response: a slow or dead broker never delays or fails the submission.
@@ -278,6 +280,7 @@ def resume(
         roots=settings.paths,
         judge_leases=heard,
         owner_id=access.owner_filter(token),
+        digest_jobs=DigestJobs(wait=settings.digest_wait_seconds, dispatch=pump.dispatch),
     )
     if attempt is not None:
         background.add_task(pump.dispatch)
