@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from contracts.api import RunResume
 from contracts.paths import DataRoots
-from contracts.signature import FieldDiff, Signature, diff_components
+from contracts.signature import Digests, FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import devices_refusal
 from service.db import database_now
@@ -99,12 +99,17 @@ def resign(
     are hashed now (cached by path, size and mtime), so a changed file is a difference; an
     omitted initial checkpoint keeps its stored digest. Object store inputs are looked up, or
     hashed by workers, as service.runs.digest says (with `session`)."""
-    found = {"session": session, "roots": roots, "jobs": digest_jobs}
+
+    def digests_with(checkpoint: str | None) -> Digests:
+        return resolve_digests(
+            spec, initial_checkpoint=checkpoint, session=session, roots=roots, jobs=digest_jobs
+        )
+
     if request.initial_checkpoint is not None:
         assert initial is not None
-        digests = resolve_digests(spec, initial_checkpoint=initial.path, **found)
+        digests = digests_with(initial.path)
     else:
-        digests = resolve_digests(spec, initial_checkpoint=None, **found).model_copy(
+        digests = digests_with(None).model_copy(
             update={"initial_checkpoint": digests_of(run.signature_components).initial_checkpoint}
         )
     return sign_run(workflow=spec, digests=digests, initial=initial)
