@@ -213,12 +213,9 @@ JobTime = Annotated[
 # What a job was asked and what it found, answered as stored: described by their models, but
 # not read through them (a result stored by an older worker still answers as it was written).
 JobRequest = Annotated[
-    dict[str, Any],
-    DocumentedAs(InspectRequest | PrepareRequest | EvaluateRequest | DigestRequest),
+    dict[str, Any], DocumentedAs(InspectRequest | PrepareRequest | EvaluateRequest)
 ]
-JobResult = Annotated[
-    dict[str, Any], DocumentedAs(InspectionReport | PreparedStore | EvalResult | DigestResult)
-]
+JobResult = Annotated[dict[str, Any], DocumentedAs(InspectionReport | PreparedStore | EvalResult)]
 
 
 class Job(BaseModel):
@@ -227,11 +224,11 @@ class Job(BaseModel):
     id: str
     kind: JobKind
     status: JobStatus
-    # An InspectRequest, PrepareRequest, EvaluateRequest or DigestRequest by `kind`, its paths
-    # resolved.
+    # An InspectRequest, PrepareRequest or EvaluateRequest by `kind`, its paths resolved (a
+    # DigestRequest for a `digest` job, which only run creation makes and only workers see).
     request: JobRequest
-    # An InspectionReport, a PreparedStore, an EvalResult (contracts.reports) or a DigestResult,
-    # once succeeded.
+    # An InspectionReport, a PreparedStore or an EvalResult (contracts.reports), once
+    # succeeded (a DigestResult for a `digest` job).
     result: JobResult | None = None
     error: str | None = None
     created_at: JobTime

@@ -124,7 +124,11 @@ def submit_run(
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> RunPublic:
     """Validate, sign and store a run with its first attempt; 201. The same Idempotency-Key
-    and body again answer 200 with the same run; another body with that key, 409."""
+    and body again answer 200 with the same run; another body with that key, 409. Inputs at
+    `s3://` URIs whose digests are not known yet are hashed by workers: the request waits
+    TRAINCTL_DIGEST_WAIT_SECONDS for them, then answers 409 `inputs_being_hashed` naming each
+    input (field, uri) and its digest job; send it again. A digest job that failed is 422
+    `missing_input` naming the input."""
     audit.expect(session, "run.create")  # the run is owned by `token` (service.access)
     run, created = create_run(
         session=session,
