@@ -30,12 +30,14 @@ from contracts.jobs import (
     PrepareRequest,
 )
 from contracts.jobs import Job as JobPublic
-from contracts.paths import DataRoots, PathUse
+from contracts.paths import DataRoots, PathUse, is_uri
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
+from runtime.store import StoreError
 from service.access import can_see, outside_roots
 from service.checkpoints.source import check_run_folders, stored_checkpoint
+from service.checkpoints.weights import checkpoint_files
 from service.db import database_now, insert_for, rowcount
 from service.errors import ApiError, not_found, summarize_problems, validation_details
 from service.models import ApiToken, InputDigest, Job, OutboxMessage, new_job_id, utcnow
@@ -184,17 +186,28 @@ def resolve_evaluate(
         for field, path, kind in checks
         if (why := path_problem(path, kind))
     ]
-    checkpoint = Path(resolved.checkpoint)
-    if resolved.tokenizer is None and not problems and not (checkpoint / TOKENIZER_FILE).is_file():
+    if resolved.tokenizer is None and not problems and not _holds_tokenizer(resolved.checkpoint):
         problems.append(
             {
                 "path": "tokenizer",
-                "message": f"checkpoint {checkpoint} holds no {TOKENIZER_FILE}; give `tokenizer`",
+                "message": f"checkpoint {resolved.checkpoint} holds no {TOKENIZER_FILE}; give "
+                "`tokenizer`",
             }
         )
     if problems:
         raise _invalid_request("POST /evaluations", problems)
     return resolved
+
+
+def _holds_tokenizer(checkpoint: str) -> bool:
+    """Whether the checkpoint directory (a path, or an `s3://` prefix or remote-layout
+    checkpoint, listed or read from its manifest) holds a tokenizer."""
+    if not is_uri(checkpoint):
+        return (Path(checkpoint) / TOKENIZER_FILE).is_file()
+    try:
+        return checkpoint_files(checkpoint).size(TOKENIZER_FILE) is not None
+    except (StoreError, ValueError, OSError):
+        return False
 
 
 # --- jobs ----------------------------------------------------------------------------------
