@@ -132,6 +132,24 @@ def test_unknown_object_digests_are_jobs_a_failed_one_names_its_input_and_roots_
     assert answer.status_code == 422, answer.text
     assert answer.json()["error"]["code"] == "missing_input"
     assert "nothing-here.jsonl" in answer.json()["error"]["message"]
+    # A save_pretrained prefix as initial checkpoint: its weights checked by range reads (a
+    # wrong shape refused), then hashed by a worker like any input.
+    config = json.dumps({"model_type": "llama"}).encode()
+    put(s3, "data/model/config.json", config)
+    put(s3, "data/model/model.safetensors", weights_bytes("m"))
+    put(s3, "data/small/config.json", config)
+    put(s3, "data/small/model.safetensors", weights_bytes("s", vocab=64))
+    local = tiny_workflow(phases=1)
+    body = {"workflow": local, "initial_checkpoint": s3.uri("data/small")}
+    answer = api.client.post("/runs", json=body, headers=api.admin)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["code"] == "invalid_initial_checkpoint"
+    assert "[64, 4], the model's is [256, ?]" in answer.json()["error"]["message"]
+    body = {"workflow": local, "initial_checkpoint": s3.uri("data/model")}
+    answer = api.client.post("/runs", json=body, headers=api.admin)
+    assert answer.status_code == 409, answer.text
+    asked = answer.json()["error"]["details"]["inputs"]
+    assert [(i["field"], i["uri"]) for i in asked] == [("initial_checkpoint", s3.uri("data/model"))]
     # The service has no artifact folder, and made none.
     assert not (tmp_path / "artifacts").exists()
 
