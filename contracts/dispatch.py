@@ -11,6 +11,8 @@ RUN_PHASE_TASK = "trainctl.run_phase"
 INSPECT_DATASET_TASK = "trainctl.inspect_dataset"
 EVALUATE_CHECKPOINT_TASK = "trainctl.evaluate_checkpoint"
 PREPARE_DATASET_TASK = "trainctl.prepare_dataset"
+# The content digest of an object store input, which the service never downloads.
+DIGEST_INPUT_TASK = "trainctl.digest_input"
 DEFAULT_QUEUE = "trainctl"
 
 

@@ -8,6 +8,8 @@ API stores a job and answers 202 with its id, a worker runs it and posts the res
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -18,7 +20,7 @@ from contracts.documented import DocumentedAs
 from contracts.reports import EvalResult
 from contracts.workflow import InspectionGate, Name, Objective, PositiveInt
 
-JobKind = Literal["inspection", "evaluation", "preparation"]
+JobKind = Literal["inspection", "evaluation", "preparation", "digest"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 
 
@@ -63,6 +65,37 @@ class EvaluateRequest(_Request):
     tokenizer: UserPath | None = None
     sequence_length: PositiveInt
     batch_size: PositiveInt = 8
+
+
+class DigestRequest(_Request):
+    """Hash an input in an object store for the service, which never downloads one: `uri` is an
+    object (a file) or a prefix (a directory: every object under `uri/`), `fingerprint` what
+    the service saw of it (object_fingerprint), for the log and the result."""
+
+    uri: UserPath
+    fingerprint: str
+
+
+class DigestResult(BaseModel):
+    """What a worker hashed: the content digest of `uri` (contracts.signature.sha256_path's rule
+    over the bytes streamed) and the fingerprint of the objects it read (object_fingerprint of
+    the listing taken before hashing, checked unchanged after), which the service records it
+    under: the one it asked for, unless the objects changed in between."""
+
+    uri: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    objects: int
+    size: int
+
+
+def object_fingerprint(entries: Iterable[tuple[str, str | None, int]]) -> str:
+    """What an object store input is known by short of reading it: SHA-256 over its objects'
+    sorted `relpath\0etag\0size\n` lines (relpath "" for a single object). A new ETag or
+    size (an object rewritten) or an object added or removed under a prefix changes it; S3 gives
+    every write a new ETag, so equal fingerprints mean equal bytes."""
+    lines = sorted(f"{rel}\0{etag or ''}\0{size}\n" for rel, etag, size in entries)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 class LengthStats(BaseModel):
@@ -191,10 +224,11 @@ class Job(BaseModel):
     id: str
     kind: JobKind
     status: JobStatus
-    # An InspectRequest, PrepareRequest or EvaluateRequest by `kind`, its paths resolved.
+    # An InspectRequest, PrepareRequest or EvaluateRequest by `kind`, its paths resolved (a
+    # DigestRequest for a `digest` job, which only run creation makes and only workers see).
     request: JobRequest
     # An InspectionReport, a PreparedStore or an EvalResult (contracts.reports), once
-    # succeeded.
+    # succeeded (a DigestResult for a `digest` job).
     result: JobResult | None = None
     error: str | None = None
     created_at: JobTime

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +37,28 @@ def sha256_file(path: Path | str, progress: Callable[[], None] | None = None) ->
 
 
 def sha256_path(path: Path | str, progress: Callable[[], None] | None = None) -> str:
-    """A file's SHA-256, or for a directory the SHA-256 over its sorted
-    `relative-path NUL file-sha256 LF` lines (so renaming a file inside changes it too).
-    `progress` is called after each chunk (1 MiB) read: a worker hashing many GiB says it is
-    not hung."""
+    """A file's SHA-256, or for a directory `sha256_listing` of its files (so renaming a file
+    inside changes it too). `progress` is called after each chunk (1 MiB) read: a worker
+    hashing many GiB says it is not hung."""
     path = Path(path)
     if path.is_file():
         return sha256_file(path, progress)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist")
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return sha256_listing(
+        (p.relative_to(path).as_posix(), sha256_file(p, progress)) for p in sorted(files)
+    )
+
+
+def sha256_listing(files: Iterable[tuple[str, str]]) -> str:
+    """The digest of a directory from its files' (relative path, SHA-256): the SHA-256 over
+    their `relative-path NUL file-sha256 LF` lines, ordered by path part by part ("a/x"
+    before "a-b/x", as paths compare). The one rule for a folder, a prefix of objects and a
+    checkpoint known by its manifest alone."""
     digest = hashlib.sha256()
-    for child in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = child.relative_to(path).as_posix()
-        digest.update(f"{rel}\0{sha256_file(child, progress)}\n".encode())
+    for rel, sha in sorted(files, key=lambda item: item[0].split("/")):
+        digest.update(f"{rel}\0{sha}\n".encode())
     return digest.hexdigest()
 
 

@@ -4,7 +4,9 @@ workflows, runs' initial checkpoints and jobs, in the service and in the CLI.
 A relative path resolves against a base folder (the service's `TRAINCTL_DATA_ROOT`, or the
 folder of the workflow file the CLI reads) and `~` is the reading process's home. An absolute
 path is kept as written: workflow paths are part of a run's signature, so the same document
-must read the same after a symlink moves.
+must read the same after a symlink moves. An object store URI (`s3://bucket/key`) is kept as
+written too, and is not looked at here: whether an object or a prefix is there is found when
+it is hashed (the service's HEAD or listing), which the data roots confine first.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.bounds import EMPTY_PATH
+from contracts.paths import is_uri
 from contracts.workflow import (
     PathKind,
     Problem,
@@ -29,7 +32,7 @@ def resolve_path(value: str, base: Path) -> str:
     """`value` made absolute: `~` expanded, a relative path joined to `base` and resolved. A
     path the OS cannot use (a NUL byte, a name too long) is kept as given; `path_problem`
     says why when it is checked."""
-    if not value:
+    if not value or is_uri(value):
         return value
     try:
         path = Path(value).expanduser()
@@ -47,6 +50,8 @@ def path_problem(path: str, kind: PathKind) -> str | None:
         return EMPTY_PATH
     if "\0" in path:
         return f"{path[:200]!r} is not a usable path (it contains a NUL byte)"
+    if is_uri(path):
+        return None  # an object or a prefix: found (or not) when it is hashed, by its store
     try:
         target = Path(path)
         if not target.exists():

@@ -33,7 +33,15 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 from contracts.api import TokenRole
-from contracts.bounds import MAX_HOSTNAME, MAX_ID, MAX_NAME, MAX_TAG, MAX_TASK, SHA256_HEX
+from contracts.bounds import (
+    MAX_HOSTNAME,
+    MAX_ID,
+    MAX_NAME,
+    MAX_PATH,
+    MAX_TAG,
+    MAX_TASK,
+    SHA256_HEX,
+)
 from contracts.jobs import JobKind, JobStatus
 
 # The statuses' check constraints. The statuses themselves, their transitions and every write
@@ -362,6 +370,26 @@ class Job(Base):
     # the first send, and each one after a worker went silent on it. Past
     # TRAINCTL_JOB_MAX_DELIVERIES it fails (service.workers.job.fail_exhausted_jobs).
     deliveries: Mapped[int] = mapped_column(default=0, server_default=text("0"))
+
+
+class InputDigest(Base):
+    """The content digest of an object store input (a run's tokenizer, data, pretrained model or
+    initial checkpoint at an `s3://` URI), which the service never downloads: keyed by the URI
+    and the fingerprint of its objects (contracts.jobs.object_fingerprint: keys, ETags and sizes
+    from a HEAD or a listing), hashed by a worker's `digest` job (service.runs.digest). A row
+    without sha256 is waiting for its job."""
+
+    __tablename__ = "input_digests"
+
+    uri: Mapped[str] = mapped_column(String(MAX_PATH), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(SHA256_HEX), primary_key=True)
+    sha256: Mapped[str | None] = mapped_column(String(SHA256_HEX))
+    # Bytes hashed, over every object (once hashed).
+    size: Mapped[int | None] = mapped_column(BigInteger)
+    # The digest job hashing it; NULL once that job is gone (then it is asked again).
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    hashed_at: Mapped[datetime | None]
 
 
 class OutboxMessage(Base):

@@ -110,6 +110,15 @@ class ServiceSettings(BaseSettings):
         "worker again: its worker may have died (jobs hold no lease). The first outcome "
         "posted is the one kept.",
     )
+    digest_wait_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="How long POST /runs (and a resume with a new initial checkpoint) waits for "
+        "workers to hash its s3:// inputs whose digests are not known yet; past it the request "
+        "answers 409 inputs_being_hashed naming each input and its digest job, to be sent "
+        "again. 0: never wait.",
+    )
     job_max_deliveries: int = Field(
         default=3,
         ge=1,

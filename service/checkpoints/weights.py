@@ -7,6 +7,12 @@ header of bounded size, tensors that tile the data exactly), that a directory is
 states: the token embedding is [vocab_size, hidden_size], the output head [vocab_size, ...],
 and the layers number num_hidden_layers. The worker checks every name and shape strictly when
 it loads them (worker.model.model.load_weights). Nothing is ever unpickled.
+
+What it reads goes through a small reader (`Files`: a file's size and a byte range of it, by
+name): `LocalFiles` over a path, `StoreFiles` over an object store, where a checkpoint is an
+object, a prefix, or a remote-layout checkpoint whose manifest names its files
+(service.checkpoints.remote). Only config.json, the shard index and the safetensors headers are
+read (a few range reads); the weights themselves never are.
 """
 
 from __future__ import annotations
@@ -16,10 +22,14 @@ import re
 import struct
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal, Protocol
 
+from contracts.paths import is_uri
 from contracts.workflow import Workflow as WorkflowSpec
+from runtime.store import ArtifactStore, StoreError, object_at
+from service.checkpoints.remote import object_entries, remote_manifest
 
 WEIGHTS_FILE: Final = "model.safetensors"
 WEIGHTS_INDEX_FILE: Final = "model.safetensors.index.json"
@@ -57,20 +67,147 @@ class NotACheckpoint(ValueError):
     """What is wrong with a checkpoint, in a sentence naming the file."""
 
 
+class Files(Protocol):
+    """A checkpoint's files, read by name relative to it ("" is the checkpoint itself when it
+    is one file)."""
+
+    def kind(self) -> Literal["file", "directory", "missing"]: ...
+
+    def size(self, name: str) -> int | None:
+        """The file's size; None when there is no such file."""
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        """Bytes `start` to `end` (exclusive) of the file; OSError when it cannot be read."""
+
+    def has_folder(self, name: str) -> bool:
+        """Whether a folder `name` (a file under `name/`) is there."""
+
+    def label(self, name: str) -> str:
+        """The file, as messages name it."""
+
+
+@dataclass(frozen=True)
+class LocalFiles:
+    """The files of a checkpoint at a local path."""
+
+    path: Path
+
+    def _at(self, name: str) -> Path:
+        return self.path / name if name else self.path
+
+    def kind(self) -> Literal["file", "directory", "missing"]:
+        if self.path.is_file():
+            return "file"
+        return "directory" if self.path.is_dir() else "missing"
+
+    def size(self, name: str) -> int | None:
+        target = self._at(name)
+        return target.stat().st_size if target.is_file() else None
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        with self._at(name).open("rb") as f:
+            f.seek(start)
+            return f.read(max(0, end - start))
+
+    def has_folder(self, name: str) -> bool:
+        return self._at(name).is_dir()
+
+    def label(self, name: str) -> str:
+        return str(self._at(name))
+
+
+@dataclass(frozen=True)
+class StoreFiles:
+    """The files of a checkpoint in an object store: name -> (URI, size); `single` when the
+    checkpoint is one object (its name is "")."""
+
+    uri: str
+    store: ArtifactStore
+    files: dict[str, tuple[str, int]] = field(default_factory=dict)
+    single: bool = False
+
+    @classmethod
+    def at(cls, uri: str) -> StoreFiles:
+        """The checkpoint `uri` names: a remote-layout checkpoint (its manifest's files, under
+        `<uri>/<save>/`), else an object, else the objects under `uri/`; no files when none is
+        there. StoreError when the store refuses."""
+        store, _ = object_at(uri)
+        base = uri.rstrip("/")
+        manifest = remote_manifest(base)
+        if manifest is not None:
+            files = {
+                name: (manifest.key_of(name), int(entry["size"]))
+                for name, entry in manifest.files.items()
+            }
+            return cls(uri=base, store=store, files=files)
+        try:
+            entries = object_entries(base)
+        except FileNotFoundError:
+            return cls(uri=base, store=store)
+        if entries[0][0] == "":
+            return cls(uri=base, store=store, files={"": (base, entries[0][2])}, single=True)
+        return cls(
+            uri=base, store=store, files={rel: (f"{base}/{rel}", size) for rel, _, size in entries}
+        )
+
+    def kind(self) -> Literal["file", "directory", "missing"]:
+        if self.single:
+            return "file"
+        return "directory" if self.files else "missing"
+
+    def size(self, name: str) -> int | None:
+        found = self.files.get(name)
+        return None if found is None else found[1]
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        uri = self.files[name][0]
+        _, key = object_at(uri)
+        try:
+            return self.store.get_range(key, start, end)
+        except StoreError as err:
+            raise OSError(str(err)) from err
+
+    def has_folder(self, name: str) -> bool:
+        return any(n.startswith(f"{name}/") for n in self.files)
+
+    def label(self, name: str) -> str:
+        return (
+            self.files[name][0]
+            if name in self.files
+            else f"{self.uri}/{name}"
+            if name
+            else self.uri
+        )
+
+
+def checkpoint_files(location: str | Path) -> Files:
+    """The reader of the checkpoint at `location`: a local path or an `s3://` URI."""
+    if isinstance(location, str) and is_uri(location):
+        return StoreFiles.at(location)
+    return LocalFiles(Path(location))
+
+
 def safetensors_shapes(path: Path) -> Shapes:
-    """The tensors of a safetensors file, name -> shape, read from its header alone; raises
-    NotACheckpoint naming the file and what is wrong (not safetensors, a pickle, a header too
-    long, truncated or corrupt)."""
+    """The tensors of a local safetensors file (file_shapes)."""
+    return file_shapes(LocalFiles(path), "")
+
+
+def file_shapes(files: Files, name: str) -> Shapes:
+    """The tensors of safetensors file `name` of `files`, name -> shape, read from its header
+    alone (two range reads); raises NotACheckpoint naming the file and what is wrong (not
+    safetensors, a pickle, a header too long, truncated or corrupt)."""
+    path = files.label(name)
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise NotACheckpoint(f"{path} is not a safetensors file: it has {size} bytes")
-            (length,) = struct.unpack("<Q", head)
-            if length > min(MAX_HEADER_BYTES, size - 8):
-                raise NotACheckpoint(_not_safetensors(path, head, length, size))
-            header_bytes = f.read(length)
+        size = files.size(name)
+        if size is None:
+            raise NotACheckpoint(f"{path} does not exist")
+        head = files.read(name, 0, 8)
+        if len(head) < 8:
+            raise NotACheckpoint(f"{path} is not a safetensors file: it has {size} bytes")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise NotACheckpoint(_not_safetensors(path, head, length, size))
+        header_bytes = files.read(name, 8, 8 + length)
     except OSError as err:
         raise NotACheckpoint(f"{path} cannot be read: {err}") from err
     try:
@@ -82,19 +219,19 @@ def safetensors_shapes(path: Path) -> Shapes:
     header.pop("__metadata__", None)
     shapes: Shapes = {}
     spans: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        shape, span = _entry(path, name, entry)
-        shapes[name] = shape
-        spans.append((*span, name))
+    for tensor, entry in header.items():
+        shape, span = _entry(path, tensor, entry)
+        shapes[tensor] = shape
+        spans.append((*span, tensor))
     if not shapes:
         raise NotACheckpoint(f"{path} holds no tensors")
     data = size - 8 - length
     position = 0
-    for begin, end, name in sorted(spans):
+    for begin, end, tensor in sorted(spans):
         if begin != position:
             raise NotACheckpoint(
-                f"{path}: tensor {name} starts at byte {begin} of the data, expected {position} "
-                "(the header is corrupt: tensors overlap or leave gaps)"
+                f"{path}: tensor {tensor} starts at byte {begin} of the data, expected "
+                f"{position} (the header is corrupt: tensors overlap or leave gaps)"
             )
         position = end
     if position != data:
@@ -105,7 +242,7 @@ def safetensors_shapes(path: Path) -> Shapes:
     return shapes
 
 
-def _not_safetensors(path: Path, head: bytes, length: int, size: int) -> str:
+def _not_safetensors(path: str, head: bytes, length: int, size: int) -> str:
     if head[:1] == b"\x80" or head[:2] == b"PK":
         kind = "a pickle" if head[:1] == b"\x80" else "a zip archive (torch.save's format)"
         return (
@@ -120,7 +257,7 @@ def _not_safetensors(path: Path, head: bytes, length: int, size: int) -> str:
     )
 
 
-def _entry(path: Path, name: str, entry: Any) -> tuple[tuple[int, ...], tuple[int, int]]:
+def _entry(path: str, name: str, entry: Any) -> tuple[tuple[int, ...], tuple[int, int]]:
     bad = f"{path}: tensor {name[:200]!r} in the safetensors header"
     if not isinstance(entry, dict):
         raise NotACheckpoint(f"{bad} is not an object")
@@ -147,11 +284,15 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _json_object(path: Path, what: str) -> dict[str, Any]:
+def _json_object(files: Files, name: str, what: str) -> dict[str, Any]:
+    path = files.label(name)
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
+        size = files.size(name)
+        if size is None:
+            raise NotACheckpoint(f"{path} does not exist")
+        if size > MAX_JSON_BYTES:
             raise NotACheckpoint(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
-        value = json.loads(path.read_bytes())
+        value = json.loads(files.read(name, 0, size))
     except OSError as err:
         raise NotACheckpoint(f"{path} cannot be read: {err}") from err
     except (UnicodeDecodeError, ValueError) as err:
@@ -162,23 +303,30 @@ def _json_object(path: Path, what: str) -> dict[str, Any]:
 
 
 def checkpoint_shapes(path: Path) -> Shapes:
+    """The tensors of a local checkpoint (files_shapes)."""
+    return files_shapes(LocalFiles(path))
+
+
+def files_shapes(files: Files) -> Shapes:
     """The tensors of a checkpoint: a safetensors file, or a `save_pretrained` directory
     (config.json and model.safetensors, or shards listed in model.safetensors.index.json).
     Raises NotACheckpoint saying what is wrong."""
-    if path.is_file():
-        return safetensors_shapes(path)
-    if not path.is_dir():
+    kind = files.kind()
+    path = files.label("")
+    if kind == "file":
+        return file_shapes(files, "")
+    if kind != "directory":
         raise NotACheckpoint(f"{path} is neither a safetensors file nor a directory")
-    pickles = [name for name in _PICKLES if (path / name).exists()]
-    if not (path / CONFIG_FILE).is_file():
+    pickles = [name for name in _PICKLES if files.size(name) is not None]
+    if files.size(CONFIG_FILE) is None:
         raise NotACheckpoint(f"{path} is not a save_pretrained directory: it has no {CONFIG_FILE}")
-    _json_object(path / CONFIG_FILE, CONFIG_FILE)
-    if (path / WEIGHTS_FILE).is_file():
-        return safetensors_shapes(path / WEIGHTS_FILE)
-    if (path / WEIGHTS_INDEX_FILE).is_file():
-        return _sharded_shapes(path)
+    _json_object(files, CONFIG_FILE, CONFIG_FILE)
+    if files.size(WEIGHTS_FILE) is not None:
+        return file_shapes(files, WEIGHTS_FILE)
+    if files.size(WEIGHTS_INDEX_FILE) is not None:
+        return _sharded_shapes(files)
     found = f" (it has {', '.join(pickles)}: pickled weights are never loaded)" if pickles else ""
-    if (path / SHARDS_DIR).is_dir():
+    if files.has_folder(SHARDS_DIR):
         found = (
             f" (its weights are in {SHARDS_DIR}/: a sharded phase writes them whole only into "
             "the phase's final checkpoint; start from that one)"
@@ -189,9 +337,9 @@ def checkpoint_shapes(path: Path) -> Shapes:
     )
 
 
-def _sharded_shapes(path: Path) -> Shapes:
-    index_path = path / WEIGHTS_INDEX_FILE
-    weight_map = _json_object(index_path, "the shard index").get("weight_map")
+def _sharded_shapes(files: Files) -> Shapes:
+    index_path = files.label(WEIGHTS_INDEX_FILE)
+    weight_map = _json_object(files, WEIGHTS_INDEX_FILE, "the shard index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise NotACheckpoint(f"{index_path} has no weight_map of tensor -> shard file")
     shards: dict[str, set[str]] = defaultdict(set)
@@ -204,12 +352,15 @@ def _sharded_shapes(path: Path) -> Shapes:
         shards[shard].add(name)
     shapes: Shapes = {}
     for shard, names in sorted(shards.items()):
-        if not (path / shard).is_file():
-            raise NotACheckpoint(f"{index_path} names shard {shard}, which is not in {path}")
-        held = safetensors_shapes(path / shard)
+        if files.size(shard) is None:
+            raise NotACheckpoint(
+                f"{index_path} names shard {shard}, which is not in {files.label('')}"
+            )
+        held = file_shapes(files, shard)
         if missing := sorted(names - set(held)):
             raise NotACheckpoint(
-                f"{path / shard} lacks {len(missing)} tensor(s) the index puts there: {missing[:5]}"
+                f"{files.label(shard)} lacks {len(missing)} tensor(s) the index puts there: "
+                f"{missing[:5]}"
             )
         shapes.update(held)
     return shapes
@@ -221,7 +372,11 @@ def model_sizes(spec: WorkflowSpec) -> dict[str, int]:
     type's default is not stated, and not checked here."""
     config: Mapping[str, Any] = spec.model.config or {}
     if spec.model.pretrained is not None:
-        config = _json_object(Path(spec.model.pretrained) / CONFIG_FILE, CONFIG_FILE)
+        try:
+            files = checkpoint_files(spec.model.pretrained)
+        except (StoreError, ValueError) as err:
+            raise NotACheckpoint(f"{spec.model.pretrained} cannot be read: {err}") from err
+        config = _json_object(files, CONFIG_FILE, CONFIG_FILE)
     sizes: dict[str, int] = {}
     for key, aliases in (("vocab", _VOCAB), ("hidden", _HIDDEN), ("layers", _LAYERS)):
         value = next((config[a] for a in aliases if a in config), None)
@@ -264,13 +419,17 @@ def _shown(sizes: list[int | None]) -> str:
 def checkpoint_problem(path: str, spec: WorkflowSpec) -> str | None:
     """Why the checkpoint at `path` cannot be `spec`'s initial weights, in a sentence naming
     the file and what is wrong; None when it is safetensors weights that fit the model as far as
-    its config tells (the worker checks every tensor when it loads them). A path that does not
-    exist is left to the digests (`missing_input`)."""
-    target = Path(path)
-    if not target.exists():
+    its config tells (the worker checks every tensor when it loads them). `path` may be an
+    `s3://` URI (read by ranges, StoreFiles). A path that does not exist is left to the digests
+    (`missing_input`)."""
+    try:
+        files = checkpoint_files(path)
+    except (StoreError, ValueError) as err:
+        return f"{path} cannot be read: {err}"
+    if files.kind() == "missing":
         return None
     try:
-        shapes = checkpoint_shapes(target)
+        shapes = files_shapes(files)
         sizes = model_sizes(spec)
     except NotACheckpoint as err:
         return str(err)

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from contracts.api import RunResume
 from contracts.paths import DataRoots
-from contracts.signature import FieldDiff, Signature, diff_components
+from contracts.signature import Digests, FieldDiff, Signature, diff_components
 from contracts.workflow import Workflow as WorkflowSpec
 from contracts.workflow import devices_refusal
 from service.db import database_now
@@ -27,7 +27,7 @@ from service.lifecycle import (
     newest_attempt,
 )
 from service.models import Attempt, Run
-from service.runs.digest import resolve_digests
+from service.runs.digest import DigestJobs, resolve_digests
 from service.runs.initial_checkpoint import InitialCheckpoint, recheck_initial_checkpoint, sign_run
 from service.runs.run import get_run, parse_inputs
 from service.runs.workflow import get_workflow
@@ -86,16 +86,30 @@ def resume_inputs(
 
 
 def resign(
-    *, run: Run, request: RunResume, spec: WorkflowSpec, initial: InitialCheckpoint | None
+    *,
+    run: Run,
+    request: RunResume,
+    spec: WorkflowSpec,
+    initial: InitialCheckpoint | None,
+    session: Session | None = None,
+    roots: DataRoots | None = None,
+    digest_jobs: DigestJobs | None = None,
 ) -> Signature:
     """The run's signature over the resume's inputs (resume_inputs). Tokenizer and data files
     are hashed now (cached by path, size and mtime), so a changed file is a difference; an
-    omitted initial checkpoint keeps its stored digest."""
+    omitted initial checkpoint keeps its stored digest. Object store inputs are looked up, or
+    hashed by workers, as service.runs.digest says (with `session`)."""
+
+    def digests_with(checkpoint: str | None) -> Digests:
+        return resolve_digests(
+            spec, initial_checkpoint=checkpoint, session=session, roots=roots, jobs=digest_jobs
+        )
+
     if request.initial_checkpoint is not None:
         assert initial is not None
-        digests = resolve_digests(spec, initial_checkpoint=initial.path)
+        digests = digests_with(initial.path)
     else:
-        digests = resolve_digests(spec, initial_checkpoint=None).model_copy(
+        digests = digests_with(None).model_copy(
             update={"initial_checkpoint": digests_of(run.signature_components).initial_checkpoint}
         )
     return sign_run(workflow=spec, digests=digests, initial=initial)
@@ -167,6 +181,7 @@ def resume_run(
     judge_leases: bool = True,
     roots: DataRoots | None = None,
     owner_id: str | None = None,
+    digest_jobs: DigestJobs | None = None,
 ) -> tuple[Run, Attempt | None]:
     """Check the signature, then: a succeeded run is a no-op (no attempt); an active one (a
     paused one whose worker is still writing its checkpoint, too) is 409 `run_active`;
@@ -177,7 +192,8 @@ def resume_run(
     the grad_accum of the phases still to run (422 `invalid_devices`), becomes the run's
     device count: the new attempt and every later one run on it. It is not signed, so a
     different count is never a signature mismatch. With `owner_id` (the caller's scope),
-    another owner's run is never a source of weights (service.checkpoints.source.source_run)."""
+    another owner's run is never a source of weights (service.checkpoints.source.source_run).
+    Object store inputs are hashed by workers, waited for as `digest_jobs` says."""
     run = get_run(session=session, run_id=run_id)
     spec, initial = resume_inputs(
         session=session,
@@ -194,7 +210,15 @@ def resume_run(
     # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
     # connection waits idle in transaction (nor a row stays locked) meanwhile.
     session.commit()
-    signature = resign(run=run, request=request, spec=spec, initial=initial)
+    signature = resign(
+        run=run,
+        request=request,
+        spec=spec,
+        initial=initial,
+        session=session,
+        roots=roots,
+        digest_jobs=digest_jobs,
+    )
     if signature.sha256 != run.signature:
         differences = diff_components(run.signature_components, signature.components)
         _roll_back_and_raise(session, signature_mismatch(run_id=run.id, differences=differences))

@@ -21,7 +21,7 @@ from service.access import can_see
 from service.errors import ApiError, not_found
 from service.lifecycle import RunStatus, add_attempt
 from service.models import ApiToken, Run, RunTag, new_run_id, utcnow
-from service.runs.digest import resolve_digests
+from service.runs.digest import DigestJobs, resolve_digests
 from service.runs.initial_checkpoint import (
     InitialCheckpoint,
     recheck_initial_checkpoint,
@@ -126,11 +126,14 @@ def create_run(
     default_max_preemptions: int,
     roots: DataRoots | None = None,
     owner_id: str | None = None,
+    digest_jobs: DigestJobs | None = None,
 ) -> tuple[Run, bool]:
     """Create a run (or return the one this Idempotency-Key already created) and commit.
     Returns (run, created). The first attempt's outbox row is left for the dispatcher. Every
     path must resolve inside `roots` (default: data_root alone). With `owner_id` (the caller's
-    scope, service.access.owner_filter), another owner's runs are as if they did not exist."""
+    scope, service.access.owner_filter), another owner's runs are as if they did not exist.
+    Object store inputs of unknown digest are hashed by workers, waited for as `digest_jobs`
+    says (service.runs.digest: 409 `inputs_being_hashed` past it)."""
     request_sha = request_sha256(request)
     if idempotency_key is not None:
         existing = _replay(
@@ -145,7 +148,13 @@ def create_run(
     # Hashing takes seconds per GiB: end the transaction the reads began first, so that no
     # connection waits idle in transaction (nor a checkpoint row stays locked) meanwhile.
     session.commit()
-    digests = resolve_digests(spec, initial_checkpoint=None if initial is None else initial.path)
+    digests = resolve_digests(
+        spec,
+        initial_checkpoint=None if initial is None else initial.path,
+        session=session,
+        roots=roots,
+        jobs=digest_jobs,
+    )
     signature = sign_run(workflow=spec, digests=digests, initial=initial)
     run_plan = plan(spec)
 

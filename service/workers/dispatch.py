@@ -31,6 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.dispatch import (
+    DIGEST_INPUT_TASK,
     EVALUATE_CHECKPOINT_TASK,
     INSPECT_DATASET_TASK,
     PREPARE_DATASET_TASK,
@@ -60,6 +61,7 @@ JOB_TASKS = {
     "inspection": INSPECT_DATASET_TASK,
     "evaluation": EVALUATE_CHECKPOINT_TASK,
     "preparation": PREPARE_DATASET_TASK,
+    "digest": DIGEST_INPUT_TASK,
 }
 
 

@@ -20,6 +20,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.jobs import (
+    DigestResult,
     EvaluateRequest,
     InspectionReport,
     InspectRequest,
@@ -29,15 +30,17 @@ from contracts.jobs import (
     PrepareRequest,
 )
 from contracts.jobs import Job as JobPublic
-from contracts.paths import DataRoots, PathUse
+from contracts.paths import DataRoots, PathUse, is_uri
 from contracts.reports import EvalResult
 from contracts.workflow import PathKind
 from runtime.path import path_problem, resolve_path
+from runtime.store import StoreError
 from service.access import can_see, outside_roots
 from service.checkpoints.source import check_run_folders, stored_checkpoint
-from service.db import database_now, rowcount
+from service.checkpoints.weights import checkpoint_files
+from service.db import database_now, insert_for, rowcount
 from service.errors import ApiError, not_found, summarize_problems, validation_details
-from service.models import ApiToken, Job, OutboxMessage, new_job_id, utcnow
+from service.models import ApiToken, InputDigest, Job, OutboxMessage, new_job_id, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +51,15 @@ RESULT_MODELS: dict[str, type[BaseModel]] = {
     "inspection": InspectionReport,
     "evaluation": EvalResult,
     "preparation": PreparedStore,
+    "digest": DigestResult,
 }
 # Where each kind is read back, and how a client makes one.
 PUBLIC = {
     "inspection": ("/datasets/inspections", "POST /datasets/inspect starts an inspection"),
     "evaluation": ("/evaluations", "POST /evaluations starts an evaluation"),
     "preparation": ("/datasets/preparations", "POST /datasets/prepare starts a preparation"),
+    # Started by POST /runs and resume for an object store input (service.runs.digest).
+    "digest": ("/jobs", "POST /runs starts one for each object store input it must hash"),
 }
 # The file of a tokenizer saved in a checkpoint directory (worker.data.tokenizer.load_tokenizer).
 TOKENIZER_FILE = "tokenizer.json"
@@ -180,17 +186,28 @@ def resolve_evaluate(
         for field, path, kind in checks
         if (why := path_problem(path, kind))
     ]
-    checkpoint = Path(resolved.checkpoint)
-    if resolved.tokenizer is None and not problems and not (checkpoint / TOKENIZER_FILE).is_file():
+    if resolved.tokenizer is None and not problems and not _holds_tokenizer(resolved.checkpoint):
         problems.append(
             {
                 "path": "tokenizer",
-                "message": f"checkpoint {checkpoint} holds no {TOKENIZER_FILE}; give `tokenizer`",
+                "message": f"checkpoint {resolved.checkpoint} holds no {TOKENIZER_FILE}; give "
+                "`tokenizer`",
             }
         )
     if problems:
         raise _invalid_request("POST /evaluations", problems)
     return resolved
+
+
+def _holds_tokenizer(checkpoint: str) -> bool:
+    """Whether the checkpoint directory (a path, or an `s3://` prefix or remote-layout
+    checkpoint, listed or read from its manifest) holds a tokenizer."""
+    if not is_uri(checkpoint):
+        return (Path(checkpoint) / TOKENIZER_FILE).is_file()
+    try:
+        return checkpoint_files(checkpoint).size(TOKENIZER_FILE) is not None
+    except (StoreError, ValueError, OSError):
+        return False
 
 
 # --- jobs ----------------------------------------------------------------------------------
@@ -321,6 +338,8 @@ def finish_job(
         .execution_options(synchronize_session=False)
     )
     if rowcount(won) == 1:
+        if job.kind == "digest" and result is not None:
+            record_digest(session=session, job_id=job_id, result=DigestResult(**result))
         session.commit()
         return get_job(session=session, job_id=job_id)
     session.rollback()
@@ -337,6 +356,24 @@ def finish_job(
             {"job_id": job.id, "status": job.status},
         )
     raise _finished(job)
+
+
+def record_digest(*, session: Session, job_id: str, result: DigestResult) -> None:
+    """Keep what a digest job hashed under the URI and fingerprint of the objects it read (in
+    the transaction that stores its outcome). Those are the ones asked for unless the objects
+    changed meanwhile; then the digest is kept for the new fingerprint, and the row that asked
+    stays without one, which the next lookup takes as a reason to ask again. Does not commit."""
+    session.execute(
+        insert_for(session, InputDigest)
+        .values(uri=result.uri, fingerprint=result.fingerprint, job_id=job_id, created_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["uri", "fingerprint"])
+    )
+    session.execute(
+        update(InputDigest)
+        .where(InputDigest.uri == result.uri, InputDigest.fingerprint == result.fingerprint)
+        .values(sha256=result.sha256, size=result.size, hashed_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
 
 
 def _never_finished(job_id: str, kind: str, deliveries: int, budget: int, timeout: float) -> str:

@@ -29,6 +29,7 @@ TABLES = {
     "run_tags",
     "reaper_state",
     "workflow_owners",
+    "input_digests",
 }
 
 

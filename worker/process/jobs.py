@@ -9,16 +9,28 @@ for the task to deliver the message again later.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from contracts.jobs import EvaluateRequest, InspectRequest, JobKind, JobOutcome, PrepareRequest
+from contracts.jobs import (
+    DigestRequest,
+    DigestResult,
+    EvaluateRequest,
+    InspectRequest,
+    JobKind,
+    JobOutcome,
+    PrepareRequest,
+    object_fingerprint,
+)
 from contracts.paths import DataRoots, PathUse
-from runtime.store import is_store_uri
+from contracts.signature import sha256_listing
+from runtime.store import ArtifactStore, StoreError, is_store_uri, object_at
 from worker import metrics
 from worker.error import ConfigError, TrainingError, origin
 from worker.link.client import ServiceClient
@@ -128,8 +140,11 @@ def _work(kind: JobKind, request: dict[str, Any], *, settings: WorkerSettings) -
         "inspection": InspectRequest,
         "preparation": PrepareRequest,
         "evaluation": EvaluateRequest,
+        "digest": DigestRequest,
     }
     parsed = models[kind].model_validate(request)
+    if isinstance(parsed, DigestRequest):
+        return digest_job(parsed, settings=settings)
     roots = settings.paths()
     confine(parsed, roots)
     # Inputs in an object store are read from their local copies; results name them as asked.
@@ -169,3 +184,74 @@ def _failed(message: str) -> JobOutcome:
     if len(message) > MAX_ERROR_CHARS:
         message = message[: MAX_ERROR_CHARS - 3] + "..."
     return JobOutcome(status="failed", error=message)
+
+
+# --- digest ------------------------------------------------------------------------------
+
+# Bytes read per range request while hashing an object.
+_DIGEST_CHUNK = 8 * 2**20
+
+
+def digest_job(request: DigestRequest, *, settings: WorkerSettings) -> DigestResult:
+    """The `digest` job: `request.uri` confined to the data roots as any input is (ConfigError
+    naming it), then hashed (digest_of_object)."""
+    if why := settings.paths().refusal(request.uri, "data"):
+        raise ConfigError(f"uri: {why}")
+    result = digest_of_object(request.uri)
+    if result.fingerprint != request.fingerprint:
+        log.info(
+            "%s changed since the service looked at it; digest kept for what was read", request.uri
+        )
+    return result
+
+
+def digest_of_object(uri: str, progress: Callable[[], None] | None = None) -> DigestResult:
+    """The content digest of an object store input, streamed by ranges and never written to
+    disk: an object's SHA-256, or for a prefix (every object under `uri/`) the SHA-256 over
+    the sorted `relpath\0sha256\n` lines of its objects (contracts.signature.sha256_path's
+    rule). The objects are listed first and their ETags checked again after: bytes rewritten
+    meanwhile are a ConfigError (hash again), never a digest under the wrong fingerprint.
+    `progress` is called after each chunk read. DataError-like failures (gone, access denied)
+    are raised as ConfigError naming the URI."""
+    try:
+        store, key = object_at(uri)
+        key = key.rstrip("/")
+        entries = _objects(store, key)
+        if not entries:
+            raise ConfigError(f"no object is at {uri} nor under {uri.rstrip('/')}/")
+        digests = {rel: _hash_object(store, full, size, progress) for rel, full, _, size in entries}
+        if _objects(store, key) != entries:
+            raise ConfigError(f"{uri} changed while it was hashed; hash it again")
+    except FileNotFoundError as err:
+        raise ConfigError(f"{uri}: {err}") from err
+    except StoreError as err:
+        raise ConfigError(f"{uri} cannot be read: {err}") from err
+    sha = digests[""] if list(digests) == [""] else sha256_listing(digests.items())
+    return DigestResult(
+        uri=uri,
+        sha256=sha,
+        fingerprint=object_fingerprint((rel, etag, size) for rel, _, etag, size in entries),
+        objects=len(entries),
+        size=sum(size for *_, size in entries),
+    )
+
+
+def _objects(store: ArtifactStore, key: str) -> list[tuple[str, str, str, int]]:
+    """(relpath, key, ETag, size) of the object at `key` (relpath "") or of those under
+    `key/`, sorted; as the service's listing (service.checkpoints.remote.object_entries)."""
+    info = store.head(key) if key else None
+    if info is not None:
+        return [("", key, info.etag, info.size)]
+    prefix = f"{key}/" if key else ""
+    return sorted((o.key[len(prefix) :], o.key, o.etag, o.size) for o in store.list(key))
+
+
+def _hash_object(
+    store: ArtifactStore, key: str, size: int, progress: Callable[[], None] | None
+) -> str:
+    digest = hashlib.sha256()
+    for start in range(0, size, _DIGEST_CHUNK):
+        digest.update(store.get_range(key, start, min(size, start + _DIGEST_CHUNK)))
+        if progress is not None:
+            progress()
+    return digest.hexdigest()

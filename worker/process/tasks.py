@@ -10,6 +10,7 @@ from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutting_down
 
 from contracts.dispatch import (
+    DIGEST_INPUT_TASK,
     EVALUATE_CHECKPOINT_TASK,
     INSPECT_DATASET_TASK,
     PREPARE_DATASET_TASK,
@@ -90,3 +91,8 @@ def prepare_dataset(job_id: str, request: dict[str, Any]) -> None:
 @app.task(name=EVALUATE_CHECKPOINT_TASK, **_TASK)
 def evaluate_checkpoint(job_id: str, request: dict[str, Any]) -> None:
     _run_job("evaluation", job_id, request)
+
+
+@app.task(name=DIGEST_INPUT_TASK, **_TASK)
+def digest_input(job_id: str, request: dict[str, Any]) -> None:
+    _run_job("digest", job_id, request)

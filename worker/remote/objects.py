@@ -9,8 +9,8 @@ the bytes: an object that changed is fetched again, and one that did not never i
 
 The digest of an object is the one `contracts.signature.sha256_path` gives for its local copy
 (file: sha256 of the bytes; directory: sha256 over sorted `relpath NUL filesha LF` lines), so a
-run signed over an object is checked with the digest the service computed (`digest_of_object`,
-which streams the bytes and keeps none).
+run signed over an object is checked with the digest a `digest` job computed for the service
+(worker.process.jobs.digest_of_object, which streams the bytes and keeps none).
 """
 
 from __future__ import annotations
@@ -165,30 +165,3 @@ def fetch_input(
     cache.use(entry)
     cache.evict(in_use=[entry, *keep])
     return local
-
-
-def digest_of_object(uri: str, progress: Progress = None) -> str:
-    """contracts.signature.sha256_path of what `uri` names, computed by streaming its bytes
-    (CHUNK per request, `progress` after each) without keeping them: for a file the sha256 of
-    its bytes, for a prefix the sha256 over its sorted `relpath NUL filesha LF` lines."""
-    store, key, objects, is_file = _listing(uri)
-
-    def file_sha(info: ObjectInfo) -> str:
-        digest = hashlib.sha256()
-        try:
-            for start in range(0, info.size, CHUNK):
-                digest.update(store.get_range(info.key, start, min(start + CHUNK, info.size)))
-                if progress is not None:
-                    progress()
-        except (StoreError, FileNotFoundError) as err:
-            raise TrainingError(f"cannot read {uri}: {err}") from err
-        return digest.hexdigest()
-
-    if is_file:
-        return file_sha(objects[0])
-    # sha256_path sorts Paths, part by part: "a/x" before "a-b/x", unlike plain text.
-    ordered = sorted(objects, key=lambda o: _relative(key, o).split("/"))
-    digest = hashlib.sha256()
-    for info in ordered:
-        digest.update(f"{_relative(key, info)}\0{file_sha(info)}\n".encode())
-    return digest.hexdigest()

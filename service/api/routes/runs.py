@@ -54,6 +54,7 @@ from service.reads.export import evals_csv, metrics_csv
 from service.reads.ledger import token_ledger
 from service.reads.series import metric_series_json
 from service.runs.control import cancel_run, pause_run
+from service.runs.digest import DigestJobs
 from service.runs.resume import resume_run
 from service.runs.run import create_run, run_for, update_run
 from service.runs.view import RunsCursor, list_runs, run_public, runs_public
@@ -123,7 +124,11 @@ def submit_run(
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> RunPublic:
     """Validate, sign and store a run with its first attempt; 201. The same Idempotency-Key
-    and body again answer 200 with the same run; another body with that key, 409."""
+    and body again answer 200 with the same run; another body with that key, 409. Inputs at
+    `s3://` URIs whose digests are not known yet are hashed by workers: the request waits
+    TRAINCTL_DIGEST_WAIT_SECONDS for them, then answers 409 `inputs_being_hashed` naming each
+    input (field, uri) and its digest job; send it again. A digest job that failed is 422
+    `missing_input` naming the input."""
     audit.expect(session, "run.create")  # the run is owned by `token` (service.access)
     run, created = create_run(
         session=session,
@@ -134,6 +139,7 @@ def submit_run(
         default_max_restarts=settings.max_restarts,
         default_max_preemptions=settings.max_preemptions,
         owner_id=access.owner_filter(token),
+        digest_jobs=DigestJobs(wait=settings.digest_wait_seconds, dispatch=pump.dispatch),
     )
     if created:
         # After the response: a slow or dead broker never delays or fails the submission.
@@ -278,6 +284,7 @@ def resume(
         roots=settings.paths,
         judge_leases=heard,
         owner_id=access.owner_filter(token),
+        digest_jobs=DigestJobs(wait=settings.digest_wait_seconds, dispatch=pump.dispatch),
     )
     if attempt is not None:
         background.add_task(pump.dispatch)

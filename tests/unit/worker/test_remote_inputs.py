@@ -20,9 +20,9 @@ from runtime.store import open_store
 from worker.data import store as store_module
 from worker.error import ConfigError, SignatureMismatch
 from worker.process.claim import verified_workflow
-from worker.process.jobs import job_outcome
+from worker.process.jobs import digest_of_object, job_outcome
 from worker.remote.cache import Cache
-from worker.remote.objects import digest_of_object, fetch_input
+from worker.remote.objects import fetch_input
 from worker.settings import WorkerSettings
 
 
@@ -89,8 +89,8 @@ def test_a_prefix_is_a_directory_with_the_digest_of_its_local_copy(s3: Any, tmp_
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     assert names == ["a-b/x", "a/x", "a/y/z", "config.json"]
     assert (local / "a-b" / "x").read_bytes() == b"22"
-    assert digest_of_object(root) == sha256_path(local)
-    assert digest_of_object(f"{root}/a-b/x") == sha256_path(local / "a-b" / "x")
+    assert digest_of_object(root).sha256 == sha256_path(local)
+    assert digest_of_object(f"{root}/a-b/x").sha256 == sha256_path(local / "a-b" / "x")
 
 
 def settings_for(s3: Any, tmp_path: Path, worker: str) -> WorkerSettings:
