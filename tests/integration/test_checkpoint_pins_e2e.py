@@ -13,7 +13,8 @@ import pytest
 from exact import workflow
 from procs import Stack, processes, wait_for_run
 from sqlalchemy import select
-from test_resume_e2e import SERVICE_ENV, WORKER_ENV, resume_when_lease_lapses
+from procs import resume_when_lease_lapses
+from test_resume_e2e import SERVICE_ENV, WORKER_ENV
 
 from service.db import make_engine, make_session_factory
 from service.models import Attempt, Checkpoint

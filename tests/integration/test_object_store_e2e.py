@@ -177,3 +177,53 @@ def test_a_sharded_phase_checkpoints_to_the_store_and_another_host_resumes_it(
             files = remote.manifest(8)["files"]
             assert isinstance(files, dict)
             assert {"shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"} <= set(files)
+
+
+def test_a_pinned_checkpoint_in_the_store_outlives_retention_and_starts_another_run(
+    tmp_path: Path, postgres_url: str, s3: S3
+) -> None:
+    """Run B starts from run A's step-4 checkpoint in the bucket: the service signs it by its
+    manifest alone (the worker's hash of its download must agree, or B refuses to train), A's
+    retention keeps it while B needs it, and B trains from it on a host that never saw A."""
+    body = {"workflow": workflow("continued_pretrain")}
+    with processes() as procs:
+        stack = s3_stack(tmp_path, postgres_url, procs, s3)
+        with stack.api() as api:
+            doomed = host(
+                stack, "host-a", TRAINCTL_TESTING="1", TRAINCTL_TEST_FAILPOINTS="after_checkpoint@4"
+            )
+            created = api.post("/runs", json=body)
+            assert created.status_code == 201, created.text
+            source = created.json()["id"]
+            assert doomed.popen.wait(timeout=180) == -signal.SIGKILL, doomed.tail()
+            remote = RemoteCheckpoints(f"{s3.root}/runs/{source}")
+            assert remote.steps() == [4]
+
+            tuned_body = {
+                "workflow": workflow("continued_pretrain", steps=4),
+                "initial_checkpoint": {"run": source, "step": 4},
+            }
+            tuned = api.post("/runs", json=tuned_body)
+            assert tuned.status_code == 201, tuned.text
+            tuned_id = tuned.json()["id"]
+            assert api.post(f"/runs/{tuned_id}/pause").json()["status"] == "paused"
+            # The same checkpoint by its URI is the same reference, and the same content.
+            by_uri = api.post(
+                "/runs", json={**tuned_body, "initial_checkpoint": remote.uri(4)}
+            ).json()
+            assert by_uri["signature"] == tuned.json()["signature"], by_uri
+            api.post(f"/runs/{by_uri['id']}/cancel")
+
+            survivor = host(stack, "host-b")
+            resume_when_lease_lapses(api, source)
+            done = wait_for_run(api, source, timeout=300, procs=[survivor])
+            assert done["status"] == "succeeded", done
+            # keep_last 2 keeps 8 and 12; step 4 stays because run B is pinned to it.
+            assert remote.steps() == [12, 8, 4]
+            usable = api.get(f"/runs/{source}/checkpoints").json()["checkpoints"]
+            assert sorted(c["step"] for c in usable) == [4, 8, 12]
+
+            assert api.post(f"/runs/{tuned_id}/resume").status_code == 200
+            finished = wait_for_run(api, tuned_id, timeout=300, procs=[survivor])
+            assert finished["status"] == "succeeded", finished
+            assert finished["signature"] == tuned.json()["signature"]

@@ -51,6 +51,8 @@ from worker.checkpoint.layout import (
 )
 from worker.error import CheckpointError
 from worker.files import fsync_dir
+from worker.remote.cache import Cache
+from worker.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +275,10 @@ def fetch_claimed(claim: Claim) -> None:
         return  # a local checkpoint, or an input object (fetched with the inputs)
     run_dir, step = found
     try:
-        RemoteCheckpoints(run_dir).fetch(step, local_path(wanted).parent)
+        copy = RemoteCheckpoints(run_dir).fetch(step, local_path(wanted).parent)
     except FileNotFoundError as err:
         raise CheckpointError(
             f"checkpoint {wanted} is not in the object store (no {MANIFEST}): {err}"
         ) from err
+    settings = get_settings()
+    Cache(settings.cache_dir, settings.cache_max_bytes).evict(in_use=[copy])
