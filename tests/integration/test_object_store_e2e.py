@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 import torch
 from exact import differences, ledger_phases, series, shard_tensors, workflow
@@ -227,3 +229,107 @@ def test_a_pinned_checkpoint_in_the_store_outlives_retention_and_starts_another_
             finished = wait_for_run(api, tuned_id, timeout=300, procs=[survivor])
             assert finished["status"] == "succeeded", finished
             assert finished["signature"] == tuned.json()["signature"]
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_jobs_and_a_run_read_their_inputs_from_the_bucket(
+    tmp_path: Path, postgres_url: str, s3: S3
+) -> None:
+    """Data and tokenizer only in the bucket: a preparation job on host A builds the token
+    store and publishes it; a run over the same objects (signed by a worker's digest job, the
+    API reads no byte of them) trains on host B, which downloads that store instead of
+    encoding the corpus again; inspection and an evaluation of the run's checkpoint in the
+    bucket read objects too."""
+    bucket = open_store(f"s3://{s3.bucket}")
+    inputs = {
+        "data/tokenizer.json": EXAMPLES / "tokenizer" / "tokenizer.json",
+        "data/pretrain.jsonl": EXAMPLES / "data" / "pretrain.train.jsonl",
+        "data/summaries.jsonl": EXAMPLES / "data" / "summarization.eval.jsonl",
+    }
+    for key, path in inputs.items():
+        bucket.put_file(key, path)
+    tokenizer, corpus, summaries = (s3.uri(key) for key in inputs)
+    doc = workflow("continued_pretrain", steps=4)
+    doc["tokenizer"] = tokenizer
+    doc["phases"][0]["data"][0]["path"] = corpus
+    doc["evals"] = []
+    with processes() as procs:
+        stack = Stack(
+            tmp_path,
+            postgres_url,
+            procs,
+            **SERVICE_ENV,
+            **s3.env,
+            TRAINCTL_ARTIFACT_ROOT=s3.root,
+            TRAINCTL_DATA_ROOTS=f"{tmp_path}:{s3.uri('data')}",
+        )
+        with stack.api() as api:
+            host_a = host(stack, "host-a")
+            phase = doc["phases"][0]
+            prepare = {
+                "path": corpus,
+                "tokenizer": tokenizer,
+                "objective": "continued_pretrain",
+                "sequence_length": phase["sequence_length"],
+            }
+            job = job_result(api, "/datasets/prepare", prepare, procs=[host_a])
+            assert job["result"]["path"] == corpus, job
+            assert [i for i in bucket.list("artifacts/tokens") if i.key.endswith("manifest.json")]
+            inspected = job_result(
+                api,
+                "/datasets/inspect",
+                {
+                    "path": summaries,
+                    "tokenizer": tokenizer,
+                    "objective": "summarization",
+                    "sequence_length": 128,
+                },
+                procs=[host_a],
+            )
+            assert inspected["result"]["path"] == summaries
+            assert inspected["result"]["records"] == 48
+            host_a.stop()
+
+            host_b = host(stack, "host-b")
+            created = api.post("/runs", json={"workflow": doc})
+            assert created.status_code == 201, created.text  # the digest job ran meanwhile
+            run = wait_for_run(api, created.json()["id"], timeout=300, procs=[host_b])
+            assert run["status"] == "succeeded", run
+            log = host_b.log.read_text()
+            assert "downloaded token store" in log, log[-3000:]
+            assert "published token store" not in log
+
+            evaluation = job_result(
+                api,
+                "/evaluations",
+                {
+                    "checkpoint": run["latest_checkpoint"]["path"],
+                    "task": "summarization",
+                    "data": summaries,
+                    "tokenizer": tokenizer,
+                    "sequence_length": 128,
+                    "batch_size": 4,
+                },
+                procs=[host_b],
+            )
+            result = evaluation["result"]
+            assert result["records"] > 0 and result["cross_entropy"] > 0, result
+
+
+def job_result(
+    api: httpx.Client, route: str, body: dict[str, Any], *, procs: list[Proc]
+) -> dict[str, Any]:
+    answer = api.post(route, json=body)
+    assert answer.status_code == 202, answer.text
+    location = answer.headers["location"]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = api.get(location).json()
+        if job["status"] in ("succeeded", "failed"):
+            assert job["status"] == "succeeded", job
+            return job
+        assert all(p.alive() for p in procs), [p.tail() for p in procs]
+        time.sleep(0.3)
+    raise AssertionError(f"{route} did not finish: {job}")
