@@ -17,6 +17,7 @@ from contracts.reports import CheckpointRef, Claim, EvalResult, RemovalStatus
 from contracts.signature import Digests, sha256_path
 from contracts.workflow import ENCODER_VERSION, Workflow
 from worker.checkpoint.layout import verify_checkpoint
+from worker.data import store as store_module
 from worker.link.reporter import Action
 
 if TYPE_CHECKING:
@@ -296,3 +297,18 @@ def claim(
     """The claim of a one-phase pretraining run of 9 steps: what the reporter tests report on."""
     phase = {"name": "p", "objective": "continued_pretrain", "data": [make_text_file()], "steps": 9}
     return make_claim(make_workflow([phase]))
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths of the token stores built (encoded, not merely opened or downloaded) while a
+    test runs."""
+    built: list[str] = []
+    real = store_module._build
+
+    def counting(path: str, *args: Any, **kwargs: Any) -> None:
+        built.append(path)
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store_module, "_build", counting)
+    return built

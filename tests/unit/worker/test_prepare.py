@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
 
 from contracts.jobs import PrepareRequest
-from worker.data import store as store_module
 from worker.data.store import META, Stores, prepare_file
 from worker.error import DataError
 
@@ -23,20 +21,6 @@ def request(path: Path, objective: str = "summarization") -> PrepareRequest:
     return PrepareRequest(
         path=str(path), tokenizer="unused", objective=objective, sequence_length=SEQ
     )
-
-
-@pytest.fixture
-def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths of the stores built (not merely opened) while a test runs."""
-    built: list[str] = []
-    real = store_module._build
-
-    def counting(path: str, *args: Any, **kwargs: Any) -> None:
-        built.append(path)
-        real(path, *args, **kwargs)
-
-    monkeypatch.setattr(store_module, "_build", counting)
-    return built
 
 
 def test_a_prepared_store_is_the_one_a_phase_maps_and_is_built_once(

@@ -17,7 +17,6 @@ from contracts.reports import Claim
 from contracts.signature import sha256_path
 from contracts.workflow import Workflow, replace_paths
 from runtime.store import open_store
-from worker.data import store as store_module
 from worker.error import ConfigError, SignatureMismatch
 from worker.process.claim import verified_workflow
 from worker.process.jobs import digest_of_object, job_outcome
@@ -33,20 +32,6 @@ def put(uri_root: str, key: str, path_or_bytes: Path | bytes) -> str:
     else:
         store.put_bytes(key, path_or_bytes)
     return f"{uri_root}/{key}"
-
-
-@pytest.fixture
-def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths of the token stores built (encoded, not downloaded) while a test runs."""
-    built: list[str] = []
-    real = store_module._build
-
-    def counting(path: str, *args: Any, **kwargs: Any) -> None:
-        built.append(path)
-        real(path, *args, **kwargs)
-
-    monkeypatch.setattr(store_module, "_build", counting)
-    return built
 
 
 def test_an_object_is_fetched_once_per_version_and_checked(s3: Any, tmp_path: Path) -> None:
