@@ -11,10 +11,15 @@ conv=fdatasync` of the same byte count).
   the background thread wrote the staging copy and uploaded every file, and the loop put the
   manifest (`RemoteCheckpoints.commit`, a create-only PUT) and renamed the staging copy into
   the local cache. Upload MiB/s is the bytes of the files over `upload_files`' time alone.
+- **loop work**: a stand-in for training (256x256 matmuls, one after another) run while an
+  object store save is in flight, its rate over the same work's with nothing in flight: what
+  the background write and upload take from the loop beyond the stall (on 2 cores, with the
+  S3 server on the same machine, a lot).
 
 Sizes: `demo` is the demo model's state (llama vocab 512, hidden 64, 2 layers; ~2 MiB);
 `large` a llama of ~60M parameters built here on CPU (vocab 32000, hidden 512, intermediate
-1536, 8 layers) whose weights + Muon/AdamW state after two steps on random tokens are ~650 MiB.
+1536, 8 layers) whose weights + Muon/AdamW state after two steps on random tokens take 583 MiB
+(611 MB) on disk.
 Rounds interleave the four measurements so that drifts of the machine fall on all; each figure
 is the median over rounds (the first round warms up and is not counted), each ratio the median
 of the same-round ratios.
@@ -48,6 +53,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models
@@ -71,7 +77,7 @@ SIZES = {
         "max_position_embeddings": 256,
     },
     # ~60M parameters: fp32 weights 240 MB, Muon momentum for the 27M hidden matrices, AdamW's
-    # two moments for the 33M of embeddings and head: ~650 MiB of checkpoint state.
+    # two moments for the 33M of embeddings and head: 583 MiB of checkpoint files.
     "large": {
         "vocab_size": 32000,
         "hidden_size": 512,
@@ -181,10 +187,25 @@ class Rounds:
     remote_stall: list[float] = field(default_factory=list)
     remote_durable: list[float] = field(default_factory=list)
     upload: list[float] = field(default_factory=list)  # seconds in upload_files
+    loop_work: list[float] = field(default_factory=list)  # loop's work rate, save in flight / idle
     synchronous: list[float] = field(default_factory=list)
     dd: list[float] = field(default_factory=list)
     nbytes: int = 0  # the checkpoint's files on disk
     uploaded: int = 0  # the bytes upload_files puts (all files but the manifest)
+
+
+def _work(a: torch.Tensor, b: torch.Tensor) -> None:
+    """One unit of the loop's stand-in work: a 256x256 matmul, ~0.5 ms on a CPU core."""
+    torch.mm(a, b)
+
+
+def _rate(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
+    """Units of `_work` per second over `seconds` with nothing else of the bench running."""
+    began, units = time.perf_counter(), 0
+    while time.perf_counter() - began < seconds:
+        _work(a, b)
+        units += 1
+    return units / (time.perf_counter() - began)
 
 
 def _state(step: int, optimizers: Optimizers) -> CheckpointState:
@@ -215,12 +236,18 @@ def measure(size: str, rounds: int, store_root: str, work: Path) -> Rounds:
     local = CheckpointWriter(directory=work / "local", tokenizer=tokenizer)
     staged = CheckpointWriter(directory=work / "staging", tokenizer=tokenizer, upload=upload)
     out = Rounds()
+    work_a, work_b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def save(step: int) -> dict[str, Any]:
+        """`CheckpointWriter.start`'s arguments for a save of `step`."""
+        state = _state(step, optimizers)
+        return {"model": model, "optimizers": optimizers, "state": state, "rng": rng.state_dict()}
+
     try:
         for step in range(1, rounds + 2):  # the first round warms up, not counted
             # Local disk: snapshot (stall), background write, rename (durable).
             started = time.perf_counter()
-            local.start(model=model, optimizers=optimizers, state=_state(step, optimizers),
-                        rng=rng.state_dict())  # fmt: skip
+            local.start(**save(step))
             returned = time.perf_counter()
             saved = local.wait()
             assert saved is not None
@@ -234,8 +261,7 @@ def measure(size: str, rounds: int, store_root: str, work: Path) -> Rounds:
             # Object store: snapshot (stall), background write + upload, manifest PUT and the
             # local cache's rename in the loop (durable).
             r_started = time.perf_counter()
-            staged.start(model=model, optimizers=optimizers, state=_state(step, optimizers),
-                         rng=rng.state_dict())  # fmt: skip
+            staged.start(**save(step))
             r_returned = time.perf_counter()
             saved = staged.wait()
             assert saved is not None
@@ -245,6 +271,27 @@ def measure(size: str, rounds: int, store_root: str, work: Path) -> Rounds:
             r_done = time.perf_counter()
             shutil.rmtree(cached)
             remote.delete(step)  # moto keeps what it holds in its process: keep it small
+
+            # The loop's own work while an object store save is in flight, against the same
+            # work with nothing in flight just before and just after: what the background
+            # write and upload (and, on this machine, the S3 server) take from the loop beyond
+            # the stall. Only where the save lasts a second or more: shorter windows measure
+            # the machine's noise.
+            window = min(3.0, r_done - r_started)
+            if window >= 1.0:
+                before = _rate(work_a, work_b, window)
+                staged.start(**save(1000 + step))
+                b_began, units = time.perf_counter(), 0
+                while (saved := staged.poll()) is None:
+                    _work(work_a, work_b)
+                    units += 1
+                in_flight = units / (time.perf_counter() - b_began)
+                remote.commit(saved[1])
+                shutil.rmtree(publish_checkpoint(saved[1]))
+                remote.delete(1000 + step)
+                after = _rate(work_a, work_b, window)
+                if step > 1:
+                    out.loop_work.append(2 * in_flight / (before + after))
 
             target = work / f"sync-{step}.pt"
             began = time.perf_counter()
@@ -282,7 +329,12 @@ def measure(size: str, rounds: int, store_root: str, work: Path) -> Rounds:
                 f"  {size} round {step - 1}: local {1000 * out.local_stall[-1]:.1f}/"
                 f"{1000 * out.local_durable[-1]:.0f} ms, object store "
                 f"{1000 * out.remote_stall[-1]:.1f}/{1000 * out.remote_durable[-1]:.0f} ms, "
-                f"torch.save {1000 * out.synchronous[-1]:.0f} ms",
+                f"torch.save {1000 * out.synchronous[-1]:.0f} ms"
+                + (
+                    f", loop work in flight {out.loop_work[-1]:.2f} of idle"
+                    if out.loop_work
+                    else ""
+                ),
                 file=sys.stderr,
                 flush=True,
             )
@@ -316,6 +368,14 @@ def table(size: str, r: Rounds, rounds: int, store: str) -> str:
         f"| dd conv=fdatasync, same bytes (synchronous) | {ms(r.dd)} | {ms(r.dd)} | - | "
         f"{ratio(r.dd)} | {ratio(r.dd)} |",
     ]
+    if r.loop_work:
+        lines += [
+            "",
+            "loop's work rate while an object store save is in flight (write + upload in the "
+            "background), over its rate with none just before and after: median "
+            f"{statistics.median(r.loop_work):.3f} ({min(r.loop_work):.3f}.."
+            f"{max(r.loop_work):.3f})",
+        ]
     return "\n".join(lines)
 
 
