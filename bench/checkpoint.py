@@ -269,6 +269,7 @@ def measure(size: str, rounds: int, store_root: str, work: Path) -> Rounds:
                 raise SystemExit(f"{remote.uri(step)} existed before the bench committed it")
             cached = publish_checkpoint(saved[1])
             r_done = time.perf_counter()
+            uploading = upload_seconds[-1]
             shutil.rmtree(cached)
             remote.delete(step)  # moto keeps what it holds in its process: keep it small
 
@@ -322,7 +323,7 @@ def measure(size: str, rounds: int, store_root: str, work: Path) -> Rounds:
             out.local_durable.append(done - started)
             out.remote_stall.append(r_returned - r_started)
             out.remote_durable.append(r_done - r_started)
-            out.upload.append(upload_seconds[-1])
+            out.upload.append(uploading)
             out.synchronous.append(ended - began)
             out.dd.append((dd_ended - dd_began) * out.nbytes / (megabytes * 2**20))
             print(
