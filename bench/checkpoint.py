@@ -14,7 +14,8 @@ conv=fdatasync` of the same byte count).
 - **loop work**: a stand-in for training (256x256 matmuls, one after another) run while an
   object store save is in flight, its rate over the same work's with nothing in flight: what
   the background write and upload take from the loop beyond the stall (on 2 cores, with the
-  S3 server on the same machine, a lot).
+  S3 server on the same machine, a lot). Only for saves of a second or more (the large size):
+  shorter windows measure the machine's noise.
 
 Sizes: `demo` is the demo model's state (llama vocab 512, hidden 64, 2 layers; ~2 MiB);
 `large` a llama of ~60M parameters built here on CPU (vocab 32000, hidden 512, intermediate
