@@ -11,9 +11,8 @@ from typing import Any
 import httpx
 import pytest
 from exact import workflow
-from procs import Stack, processes, wait_for_run
+from procs import Stack, processes, resume_when_lease_lapses, wait_for_run
 from sqlalchemy import select
-from procs import resume_when_lease_lapses
 from test_resume_e2e import SERVICE_ENV, WORKER_ENV
 
 from service.db import make_engine, make_session_factory
