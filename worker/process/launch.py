@@ -120,6 +120,10 @@ class RankFailure:
     cause: FailureCause = "infrastructure"
 
 
+# What `run_ranks` answers when `abort` ended the ranks.
+STOPPED = RankFailure(-1, "the ranks were stopped: the service said stop")
+
+
 def run_ranks(
     work: Callable[..., object],
     world: int,
@@ -129,6 +133,7 @@ def run_ranks(
     stop_requested: Callable[[], bool],
     handed_over: Callable[[], None],
     gang: Gang | None = None,
+    abort: Callable[[], bool] = lambda: False,
 ) -> tuple[object, RankFailure | None]:
     """Start `world` rank processes, each running `work(device, workdir, *args)` in the
     process group (`rank_main`; `work` a module-level function, which pickles), and wait for
@@ -136,7 +141,9 @@ def run_ranks(
     failure) when one did not (the others are ended then). `handed_over` is called once rank 0
     creates REPORTING in `workdir`, or when the ranks end; when `stop_requested()` turns true,
     PREEMPT is created there. With a `gang`, these are the ranks of one member of an attempt
-    across machines (the process group spans every member's ranks)."""
+    across machines (the process group spans every member's ranks). When `abort()` turns true
+    the ranks are ended at once and the answer is (None, STOPPED): a member that is not the
+    first holds no rank 0 to pass an order to, and stops its ranks itself when told to stop."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     nodes, node_rank = (gang.nodes, gang.node_rank) if gang is not None else (1, 0)
@@ -180,6 +187,9 @@ def run_ranks(
             if not told and stop_requested():
                 told = True
                 (workdir / PREEMPT).touch()
+            if abort():
+                log.info("stopping the ranks of member %d: told to stop", node_rank)
+                return None, STOPPED
     finally:
         context.close()
     if not reporting:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,12 +32,16 @@ from test_distributed import (
     on_ranks,
     weights,
 )
+from test_runner import InProcessService
 
 from contracts.reports import Claim, Finish, Heartbeat, Rendezvous
 from contracts.workflow import Workflow, WorkflowInvalid, validate_workflow
+from worker.link.client import ServiceClient
 from worker.link.reporter import SilentReporter
 from worker.process.claim import claim_request
 from worker.process.launch import Gang, RankFailure, free_port, run_ranks
+from worker.process.runner import run_attempt
+from worker.settings import WorkerSettings
 from worker.train.loop import train_phase
 from worker.train.ranks import Ranks
 
@@ -275,3 +280,85 @@ def test_a_member_that_never_comes_fails_the_other_after_the_rendezvous_timeout(
     failure = RankFailure(**ended(last, 60))
     assert failure.rank == 1
     assert "could not reach the rendezvous at 127.0.0.1:" in failure.message, failure.message
+
+
+@pytest.fixture
+def member_settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> WorkerSettings:
+    # The parent's settings (the ranks read theirs from the environment: gang_settings).
+    return WorkerSettings(
+        home=tmp_path / "home",
+        device="cpu",
+        devices="1",
+        heartbeat_seconds=0.05,
+        spool_flush_seconds=0,
+        data_roots=(tmp_path_factory.getbasetemp(),),
+    )
+
+
+def member_claim(claim: Claim, node_rank: int) -> Claim:
+    return claim.model_copy(
+        update={
+            "nodes": 2,
+            "node_rank": node_rank,
+            "rendezvous": Rendezvous(host="127.0.0.1", port=free_port()),
+        }
+    )
+
+
+def as_member(service: InProcessService, settings: WorkerSettings, member: int) -> Any:
+    client = ServiceClient(
+        "http://service", "token", transport=httpx.MockTransport(service), backoff_seconds=0
+    )
+    return run_attempt("attempt-1", settings=settings, client=client, member=member)
+
+
+@pytest.fixture
+def phase(make_workflow: Callable[..., Workflow], make_text_file: Callable[..., Path]) -> Workflow:
+    return make_workflow(
+        [
+            {
+                "name": "pretrain",
+                "objective": "continued_pretrain",
+                "data": [make_text_file()],
+                "steps": 2,
+                "grad_accum": 2,
+                "resources": {"nodes": 2},
+            }
+        ]
+    )
+
+
+def test_a_member_whose_rendezvous_never_answers_beats_as_itself_and_finishes_failed_as_itself(
+    phase: Workflow,
+    make_claim: Callable[..., Claim],
+    member_settings: WorkerSettings,
+    gang_settings: None,
+) -> None:
+    service = InProcessService(member_claim(make_claim(phase), 1))
+    assert as_member(service, member_settings, 1) is None
+    [claimed] = service.of("claim")
+    assert claimed["member"] == 1
+    assert service.keeper_beats and all(b["member"] == 1 for b in service.keeper_beats)
+    [finish] = service.of("finish")
+    assert (finish["status"], finish["member"], finish["cause"]) == (
+        "failed",
+        1,
+        "infrastructure",
+    )
+    assert finish["message"].startswith("rank 1 of 2 failed: GangError: rank 1 of 2 (member 1")
+    assert "could not reach the rendezvous" in finish["message"]
+
+
+def test_a_member_told_to_stop_ends_its_ranks_and_writes_nothing(
+    phase: Workflow,
+    make_claim: Callable[..., Claim],
+    member_settings: WorkerSettings,
+    gang_settings: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TRAINCTL_RENDEZVOUS_TIMEOUT_SECONDS", "120")
+    service = InProcessService(member_claim(make_claim(phase), 1), stop_after_heartbeats=0)
+    started = time.monotonic()
+    assert as_member(service, member_settings, 1) is None
+    assert time.monotonic() - started < 60  # not the rendezvous timeout
+    assert service.of("finish") == []
