@@ -26,7 +26,12 @@ from contracts.bounds import (
     NUL_REPLACED,
 )
 from contracts.signature import Digests
-from contracts.workflow import MAX_DEVICES, name_defaults_to_task, name_optional_in_schema
+from contracts.workflow import (
+    MAX_DEVICES,
+    MAX_NODES,
+    name_defaults_to_task,
+    name_optional_in_schema,
+)
 
 # Steps and counts are stored in 32-bit columns.
 Step = Annotated[int, Field(ge=0, le=MAX_COUNT)]
@@ -53,6 +58,15 @@ FailureCause = Literal[
     "disk_full",
 ]
 
+# A member's index in an attempt across `nodes` workers (0: the only one, or the first).
+Member = Annotated[int, Field(ge=0, lt=MAX_NODES)]
+
+
+def _first(value: int) -> bool:
+    """Left out of a body when 0, so a one-node attempt's messages stay as they were."""
+    return value == 0
+
+
 # A claim's secret: what `secrets.token_urlsafe(24)` makes, with room to spare.
 FencingToken = Annotated[str, Field(min_length=1, max_length=64), NO_NUL]
 
@@ -63,6 +77,9 @@ class ClaimRequest(BaseModel):
     # Chosen by the claimant once per claim and sent again with every retry of it: a retry
     # whose first try won (its answer lost on the way) gets the same claim back.
     nonce: Annotated[str, Field(min_length=1, max_length=64), NO_NUL]
+    # Which member of an attempt across many workers this claimant is (the `member` of its
+    # message); 0 for a one-node attempt.
+    member: Member = Field(default=0, exclude_if=_first)
 
 
 class CheckpointRef(BaseModel):
@@ -72,6 +89,15 @@ class CheckpointRef(BaseModel):
     step: Step  # global step (counted over the whole run)
     phase_index: int = Field(ge=0, le=MAX_COUNT)
     phase_step: Step
+
+
+class Rendezvous(BaseModel):
+    """Where the members of an attempt across machines meet: the TCPStore of torch.distributed's
+    c10d rendezvous, served by the first member's global rank 0 on its host at a port chosen
+    for the attempt."""
+
+    host: Annotated[str, Field(min_length=1, max_length=MAX_HOSTNAME), NO_NUL]
+    port: int = Field(ge=1, le=65535)
 
 
 class Claim(BaseModel):
@@ -96,6 +122,20 @@ class Claim(BaseModel):
     # The torch.distributed ranks this attempt runs on: the workflow's resources for the
     # phase, or the count the run was last resumed with.
     devices: int = Field(default=1, ge=1, le=MAX_DEVICES)
+    # Across machines: `nodes` members of `devices` ranks each, this one `node_rank` (its
+    # ranks are node_rank * devices + 0 .. devices - 1 of nodes * devices); all of them join
+    # the process group at `rendezvous`. One node: 1, 0 and None.
+    nodes: int = Field(default=1, ge=1, le=MAX_NODES)
+    node_rank: Member = 0
+    rendezvous: Rendezvous | None = None
+
+    @model_validator(mode="after")
+    def _a_member_of_its_nodes(self) -> Claim:
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"node_rank {self.node_rank} is not one of {self.nodes} nodes")
+        if self.nodes > 1 and self.rendezvous is None:
+            raise ValueError(f"an attempt across {self.nodes} nodes needs a rendezvous")
+        return self
 
 
 class Preparing(BaseModel):
@@ -114,6 +154,9 @@ class Heartbeat(BaseModel):
     # While the attempt tokenizes a data file into its token store, before its first step;
     # left out of the body otherwise.
     preparing: Preparing | None = Field(default=None, exclude_if=lambda value: value is None)
+    # The member of an attempt across many workers that beats (each keeps its own lease, so
+    # the service can tell a dead member); left out for 0.
+    member: Member = Field(default=0, exclude_if=_first)
 
 
 class HeartbeatAnswer(BaseModel):
@@ -232,6 +275,9 @@ class Finish(BaseModel):
     step: Step
     cause: FailureCause | None = None
     message: Annotated[str, NUL_REPLACED] | None = None
+    # The member of an attempt across many workers that ends: member 0 finishes the attempt,
+    # another says how its own part ended. Left out for 0.
+    member: Member = Field(default=0, exclude_if=_first)
 
 
 class Accepted(BaseModel):

@@ -92,6 +92,13 @@ class WorkerSettings(BaseSettings):
         "step's order) for the others before the attempt fails: longer than the slowest eval "
         "or checkpoint wait rank 0 makes the others sit through.",
     )
+    rendezvous_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="A phase across many workers: how long its members wait for each other "
+        "to join the process group (torch.distributed's c10d rendezvous) before the attempt "
+        "fails and recovers from its latest checkpoint.",
+    )
     torch_threads: int | None = Field(
         None, description="torch's CPU threads; unset: torch's default (one per core)."
     )

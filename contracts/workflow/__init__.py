@@ -7,6 +7,7 @@ from contracts.workflow.planning import PhasePlan, Plan, SourcePlan, plan
 from contracts.workflow.schema import (
     ENCODER_VERSION,
     MAX_DEVICES,
+    MAX_NODES,
     OBJECTIVES,
     CheckpointSpec,
     DataSource,
@@ -42,6 +43,7 @@ from contracts.workflow.validation import (
 __all__ = [
     "ENCODER_VERSION",
     "MAX_DEVICES",
+    "MAX_NODES",
     "OBJECTIVES",
     "CheckpointSpec",
     "DataSource",

@@ -223,13 +223,26 @@ class Schedule(_Strict):
 
 # The most torch.distributed ranks one phase may ask of one worker (a machine of GPUs).
 MAX_DEVICES = 64
+# The most workers (machines) one phase may run across at once.
+MAX_NODES = 64
 
 
 class Resources(_Strict):
-    """What one attempt of a phase runs on: `devices` ranks of torch.distributed on one worker
-    (DDP: each rank holds the whole model and takes its share of every step's microbatches).
-    Not part of the run's identity: the same global batch is trained whatever the count, so
-    a run pre-empted on 8 devices may go on on 4 (`POST /runs/{id}/resume` `devices`)."""
+    """What one attempt of a phase runs on: `nodes` workers with `devices` ranks of
+    torch.distributed each, nodes x devices ranks in all (DDP: each rank holds the whole model
+    and takes its share of every step's microbatches). Not part of the run's identity: the
+    same global batch is trained whatever the counts, so a run pre-empted on 8 devices may go
+    on on 4 (`POST /runs/{id}/resume` `devices`). `nodes` is left out of the normalised form
+    when it is 1, so workflows that do not set it keep their stored form."""
+
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=MAX_NODES,
+        exclude_if=lambda value: value == 1,
+        description="Workers (machines) the phase runs across, all reserved together or not "
+        "at all; their ranks join by torch.distributed's c10d rendezvous.",
+    )
 
     devices: int = Field(
         1, ge=1, le=MAX_DEVICES, description="Ranks of torch.distributed, on one worker."
@@ -403,6 +416,10 @@ class Workflow(_Strict):
     def phase_devices(self, index: int) -> int:
         """The torch.distributed ranks phase `index` runs on, as the workflow asks."""
         return self.phase_resources(index).devices
+
+    def phase_nodes(self, index: int) -> int:
+        """The workers phase `index` runs across, as the workflow asks."""
+        return self.phase_resources(index).nodes
 
     def phase_resources(self, index: int) -> Resources:
         return self.phases[index].resources or self.resources

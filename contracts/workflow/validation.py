@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from contracts.workflow.schema import (
     MAX_DEVICES,
+    MAX_NODES,
     OBJECTIVES,
     SUPERVISED_OBJECTIVES,
     Workflow,
@@ -143,25 +144,30 @@ def _geometry_problems(
 
 
 def _devices_problems(i: int, raw: dict[str, Any], default: Any) -> list[Problem]:
-    """A phase's grad_accum counts the microbatches of a step over all its ranks: each rank
-    takes the same share, so it must divide by the phase's devices."""
+    """A phase's grad_accum counts the microbatches of a step over all its ranks (nodes x
+    devices): each rank takes the same share, so it must divide by their number."""
     own = raw.get("resources")
     where = own if isinstance(own, dict) else default if isinstance(default, dict) else {}
     devices, accum = where.get("devices", 1), raw.get("grad_accum", 1)
+    nodes = where.get("nodes", 1)
     valid = isinstance(devices, int) and 1 <= devices <= MAX_DEVICES
+    valid = valid and isinstance(nodes, int) and 1 <= nodes <= MAX_NODES
     if not (valid and isinstance(accum, int) and accum >= 1):
         return []  # reported by the schema
-    message = devices_refusal(accum, devices)
+    message = devices_refusal(accum, devices, nodes)
     return [Problem(path=f"phases[{i}].grad_accum", message=message)] if message else []
 
 
-def devices_refusal(grad_accum: int, devices: int) -> str | None:
-    """Why a phase of `grad_accum` microbatches a step cannot run on `devices` ranks, or None."""
-    if grad_accum % devices == 0:
+def devices_refusal(grad_accum: int, devices: int, nodes: int = 1) -> str | None:
+    """Why a phase of `grad_accum` microbatches a step cannot run on `nodes` workers of
+    `devices` ranks each, or None."""
+    ranks = devices * nodes
+    if grad_accum % ranks == 0:
         return None
+    where = f"{devices} devices" if nodes == 1 else f"{nodes} nodes x {devices} devices"
     return (
-        f"{grad_accum} microbatches a step do not divide over {devices} devices: grad_accum "
-        f"counts a step's microbatches over all ranks, so make it a multiple of {devices} "
+        f"{grad_accum} microbatches a step do not divide over {where}: grad_accum "
+        f"counts a step's microbatches over all ranks, so make it a multiple of {ranks} "
         "(the global batch stays the same whatever the device count)"
     )
 

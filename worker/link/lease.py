@@ -49,8 +49,11 @@ class LeaseKeeper:
         step: int,
         abandon_seconds: float | None = None,
         exit: Callable[[int], object] = os._exit,
+        member: int = 0,
     ) -> None:
         self._client = client
+        # Across many workers, each member keeps its own lease: its heartbeats say which it is.
+        self._member = member
         self._attempt_id = attempt_id
         self._token = fencing_token
         self._interval = interval
@@ -118,6 +121,7 @@ class LeaseKeeper:
                     step=self._step,
                     progress=self._progress,
                     preparing=self._preparing,
+                    member=self._member,
                 )
             try:
                 answer = self._client.heartbeat(self._attempt_id, report)

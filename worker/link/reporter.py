@@ -35,7 +35,7 @@ from contracts.reports import (
 from worker import metrics
 from worker.link.client import ServiceClient, ServiceError, ServiceUnavailable, Superseded
 from worker.link.lease import Action, LeaseKeeper
-from worker.link.spool import Report, Spool, SpoolError, kind_of
+from worker.link.spool import Report, Spool, SpoolError, kind_of, spool_name
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class ServiceReporter:
         self._client = client
         self._attempt_id = claim.attempt_id
         self._token = claim.fencing_token
-        self._spool = Spool(spool_dir / claim.attempt_id)
+        self._spool = Spool(spool_dir / spool_name(claim.attempt_id, claim.node_rank))
         self._heartbeat_seconds = heartbeat_seconds
         self._flush_seconds = flush_seconds
         self._clock = clock
@@ -148,6 +148,7 @@ class ServiceReporter:
             interval=min(heartbeat_seconds, claim.lease_seconds / 3),
             step=start,
             abandon_seconds=abandon_seconds,
+            member=claim.node_rank,
         )
         self.last_step: int | None = None  # the last step whose metrics were recorded
         # The pinned steps of the last checkpoint registration delivered.

@@ -55,6 +55,15 @@ def kind_of(report: Report) -> Kind:
     return "finish"
 
 
+MEMBER_SPOOL = ".member-"
+
+
+def spool_name(attempt_id: str, member: int) -> str:
+    """The spool directory's name of `member` of attempt `attempt_id`: the attempt's id for
+    member 0 (as for a one-node attempt), `<attempt_id>.member-<k>` for the others."""
+    return attempt_id if member == 0 else f"{attempt_id}{MEMBER_SPOOL}{member}"
+
+
 class SpoolError(Exception):
     """A spooled file that does not parse (it was changed by hand, or the disk lies)."""
 
@@ -69,7 +78,9 @@ class Spool:
 
     @property
     def attempt_id(self) -> str:
-        return self.directory.name
+        # A member's spool of an attempt across many workers is `<attempt_id>.member-<k>`
+        # (`spool_name`): two members on one machine never share a spool.
+        return self.directory.name.split(MEMBER_SPOOL, 1)[0]
 
     def acquire(self, *, wait: bool) -> bool:
         """Hold the spool exclusively, creating its directory; False (without waiting) when

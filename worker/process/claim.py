@@ -33,20 +33,21 @@ from worker.settings import WorkerSettings, get_settings
 BOOT_ID = secrets.token_hex(16)
 
 
-def claim_request(delivery: str | None) -> ClaimRequest:
+def claim_request(delivery: str | None, member: int = 0) -> ClaimRequest:
     """This process's claim for message `delivery`. Its nonce is the same for every retry of
     that message in this process (the client's retries, and Celery's after a claim whose
     answers were all lost), so a retry whose first try won gets the same claim back; another
     process handed the same message (a redelivery) sends another nonce and is refused, so two
     processes never hold one claim, even in two containers with one hostname and pid
-    (`BOOT_ID`). Without `delivery`, a random nonce (one try only)."""
+    (`BOOT_ID`). Without `delivery`, a random nonce (one try only). `member`: which member of
+    an attempt across many workers this process claims as (its message says)."""
     hostname, pid = socket.gethostname(), os.getpid()
     if delivery is None:
         nonce = secrets.token_hex(16)
     else:
-        identity = f"{delivery}|{hostname}|{pid}|{BOOT_ID}"
+        identity = f"{delivery}|{hostname}|{pid}|{BOOT_ID}" + (f"|{member}" if member else "")
         nonce = hashlib.sha256(identity.encode()).hexdigest()[:32]
-    return ClaimRequest(hostname=hostname, pid=pid, nonce=nonce)
+    return ClaimRequest(hostname=hostname, pid=pid, nonce=nonce, member=member)
 
 
 def parse_workflow(claim: Claim) -> Workflow:

@@ -29,7 +29,15 @@ from worker.process.claim import (
     parse_workflow,
     verified_claim,
 )
-from worker.process.launch import PREEMPT, REPORTING, RankFailure, owned_devices, run_ranks
+from worker.process.launch import (
+    PREEMPT,
+    REPORTING,
+    STOPPED,
+    Gang,
+    RankFailure,
+    owned_devices,
+    run_ranks,
+)
 from worker.settings import WorkerSettings, get_settings
 from worker.train.loop import PhaseOutcome, train_phase
 from worker.train.ranks import Ranks
@@ -48,6 +56,7 @@ def run_attempt(
     client: ServiceClient | None = None,
     stop_requested: Callable[[], bool] = _never,
     delivery: str | None = None,
+    member: int = 0,
 ) -> PhaseOutcome | None:
     """Claim and train attempt `attempt_id`, then report how it ended (`finish`). `delivery`
     names the message being handled (the Celery task id, the same across its retries): every
@@ -57,12 +66,13 @@ def run_attempt(
     Raises `ServiceUnavailable` when the service cannot be reached to claim, or to finish
     within `settings.spool_flush_seconds` (the finish then waits in the spool). Reports that
     earlier processes on this machine spooled are sent first, so that they arrive before
-    anything of this attempt (they may be this very attempt's, from a process that died)."""
+    anything of this attempt (they may be this very attempt's, from a process that died).
+    `member` k > 0: this worker's part of an attempt across many workers (`_train_on_ranks`)."""
     own_client = client is None
     client = client or ServiceClient.from_settings(settings)
     try:
         drain_spools(client, settings.spool_dir)
-        claim = client.claim(attempt_id, claim_request(delivery))
+        claim = client.claim(attempt_id, claim_request(delivery, member))
         if claim is None:
             log.info(
                 "attempt %s is already claimed or superseded; dropping the message", attempt_id
@@ -91,7 +101,7 @@ def _run_claimed(
         # One attempt per process at a time: every line the process logs meanwhile, from any
         # thread, is about this attempt.
         with log_context(process_wide=True, run_id=claim.run_id, attempt_id=claim.attempt_id):
-            if claim.devices > 1:
+            if claim.devices > 1 or claim.nodes > 1:
                 return _train_on_ranks(
                     claim, reporter, settings=settings, client=client, stop_requested=stop_requested
                 )
@@ -144,7 +154,13 @@ def _train_on_ranks(
 ) -> PhaseOutcome | None:
     """The parent of a phase on `claim.devices` ranks: verify the inputs once, start the
     ranks (worker.process.launch) and hand them the lease; rank 0 reports and finishes the
-    attempt. A rank that fails ends the attempt here, with the first failed rank's cause."""
+    attempt. A rank that fails ends the attempt here, with the first failed rank's cause.
+
+    Across machines (`claim.nodes` > 1) this is member `claim.node_rank`'s part: its ranks join
+    every member's at the claim's rendezvous. Member 0 is the attempt's as above. Any other
+    member keeps its own lease (its heartbeats say which member it is) until its ranks end,
+    ends them when a heartbeat answers "stop", posts nothing when they end well (member 0
+    finishes the attempt) and posts a failed Finish with its member index when they do not."""
 
     verified: Claim | None = None
 
@@ -164,12 +180,25 @@ def _train_on_ranks(
     _train_and_finish(claim, reporter, verify)  # reports a refusal; nothing else to report
     if verified is None:
         return None
-    log.info("training %s on %d ranks", _where(claim), claim.devices)
+    log.info(
+        "training %s on %d ranks (member %d of %d)",
+        _where(claim),
+        claim.devices,
+        claim.node_rank,
+        claim.nodes,
+    )
     outcome, failure = launch_ranks(
-        verified, settings=settings, stop_requested=stop_requested, handed_over=reporter.close
+        verified,
+        settings=settings,
+        stop_requested=stop_requested,
+        handed_over=reporter.close,
+        abort=lambda: claim.node_rank > 0 and reporter.lease.order == "stop",
     )
     if failure is None:
         return outcome if isinstance(outcome, PhaseOutcome) else None
+    if failure is STOPPED:
+        log.info("%s: the service said stop; nothing more is written", _where(claim))
+        return None
     # Rank 0 may have spooled reports before it was ended: they go first, as at a start.
     drain_spools(client, settings.spool_dir)
     again = _reporter(claim, settings, client)
@@ -187,11 +216,17 @@ def launch_ranks(
     settings: WorkerSettings,
     stop_requested: Callable[[], bool],
     handed_over: Callable[[], None],
+    abort: Callable[[], bool] = _never,
 ) -> tuple[object, RankFailure | None]:
-    """Run the claimed phase on `claim.devices` ranks and wait for them (`run_ranks`).
+    """Run the claimed phase on `claim.devices` ranks and wait for them (`run_ranks`); across
+    machines, this member's ranks, which join the other members' at the claim's rendezvous.
     `handed_over` is called once rank 0's reporter holds the lease. A preemption notice
-    (`stop_requested`) is passed on to rank 0."""
+    (`stop_requested`) is passed on to rank 0; `abort` ends the ranks at once."""
     workdir = Path(tempfile.mkdtemp(prefix=f"trainctl-ranks-{claim.attempt_id}-"))
+    gang = None
+    if claim.nodes > 1:
+        assert claim.rendezvous is not None  # the Claim's own check
+        gang = Gang(claim.nodes, claim.node_rank, claim.rendezvous.host, claim.rendezvous.port)
     return run_ranks(
         train_rank,
         claim.devices,
@@ -199,6 +234,8 @@ def launch_ranks(
         workdir=workdir,
         stop_requested=stop_requested,
         handed_over=handed_over,
+        gang=gang,
+        abort=abort,
     )
 
 
@@ -350,4 +387,5 @@ def _failed(claim: Claim, reporter: ServiceReporter, cause: FailureCause, messag
         step=reporter.last_step if reporter.last_step is not None else start,
         cause=cause,
         message=message,
+        member=claim.node_rank,
     )

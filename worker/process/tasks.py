@@ -56,7 +56,9 @@ _TASK: dict[str, Any] = {
 
 
 @app.task(name=RUN_PHASE_TASK, bind=True, **_TASK)
-def run_phase(self: Task, attempt_id: str) -> None:
+def run_phase(self: Task, attempt_id: str, member: int = 0) -> None:
+    """Attempt `attempt_id`, or this worker's part of it (`member` k of an attempt across
+    many workers: the service sends each member its own message on its own queue)."""
     if _preempted.is_set():
         # A worker that received its preemption notice may still be handed one more message
         # while it drains; claiming it would only preempt it again. Back to the queue with it.
@@ -67,6 +69,7 @@ def run_phase(self: Task, attempt_id: str) -> None:
         settings=app.settings,
         stop_requested=_preempted.is_set,
         delivery=self.request.id,
+        member=member,
     )
 
 
