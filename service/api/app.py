@@ -42,6 +42,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         celery=make_celery(settings.broker_url),
         queue=settings.queue,
         interval=settings.outbox_interval_seconds,
+        lease_seconds=settings.lease_seconds,
     )
     reaper = Reaper(
         session_factory=session_factory,

@@ -63,6 +63,9 @@ class Active:
     nodes: int = 1
     workers: tuple[str, ...] = ()
     yielding: bool = False
+    # Claimed by its worker(s); a placed attempt not claimed yet is never preempted (it would
+    # only start to be told to stop).
+    running: bool = True
 
     @property
     def total(self) -> int:
@@ -140,7 +143,7 @@ def decide(
     for a in active:
         use[a.owner] = use.get(a.owner, 0) + a.total
     # Running attempts that may be asked to yield: on known workers, not yielding yet.
-    victims = [a for a in active if a.workers and not a.yielding]
+    victims = [a for a in active if a.workers and not a.yielding and a.running]
     yielding = [a for a in active if a.workers and a.yielding]
     reserved: set[str] = set()
     blocked_ahead = 0

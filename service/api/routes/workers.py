@@ -5,14 +5,22 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, BackgroundTasks, Depends, Query
 
 from contracts.api import WorkersPublic
 from contracts.reports import Accepted, WorkerPing
 from service import access
-from service.api.deps import ApiTokenDep, SessionDep, SettingsDep, WorkerDep, require_api
+from service.api.deps import (
+    ApiTokenDep,
+    PumpDep,
+    SessionDep,
+    SettingsDep,
+    WorkerDep,
+    require_api,
+)
 from service.models import utcnow
 from service.workers.fleet import list_workers, note_worker
+from service.workers.placement import holds_placement
 
 MAX_WORKERS_PAGE = 500
 
@@ -41,7 +49,16 @@ def read_workers(
 
 
 @internal_router.post("/ping")
-def ping(body: WorkerPing, session: SessionDep, token: WorkerDep) -> Accepted:
+def ping(
+    body: WorkerPing,
+    session: SessionDep,
+    token: WorkerDep,
+    pump: PumpDep,
+    background: BackgroundTasks,
+) -> Accepted:
+    """The worker is there. A worker with its own queue (`worker`) that holds no placed
+    attempt runs a placement pass after the answer: a new or freed worker takes the next
+    queued attempt at once, not at the next periodic pass."""
     note_worker(
         session=session,
         hostname=body.hostname,
@@ -52,6 +69,9 @@ def ping(body: WorkerPing, session: SessionDep, token: WorkerDep) -> Accepted:
         token_id=token.id,
         devices=body.devices,
         device_kind=body.device_kind,
+        key=body.worker,
     )
     session.commit()
+    if body.worker is not None and not holds_placement(session=session, key=body.worker):
+        background.add_task(pump.dispatch)
     return Accepted(accepted=1)
