@@ -9,8 +9,9 @@ name and marks them sent; a background thread repeats that (placement pass first
 later. Jobs go to the base queue, which every worker consumes. An attempt row with no queue (one
 written before migration 0019) is marked sent unsent: placement sends the attempt's messages.
 A row may be sent twice (a crash between the send and the mark): workers tolerate that,
-because a claim has exactly one winner and a job's first result is the one kept. Each send of a job's row counts as one of its
-deliveries (`Job.deliveries`, its budget: service.workers.job.fail_exhausted_jobs).
+because a claim has exactly one winner and a job's first result is the one kept. Each send of
+a job's row counts as one of its deliveries (`Job.deliveries`, its budget:
+service.workers.job.fail_exhausted_jobs).
 
 A message the broker took can still be lost (Redis restarted without persistence, a queue
 purged by hand), and its attempt would then stay queued for good: `redispatch_unclaimed`, run
