@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Query
 
-from contracts.api import WorkersPublic
+from contracts.api import QueuePublic, WorkersPublic
 from contracts.reports import Accepted, WorkerPing
 from service import access
 from service.api.deps import (
@@ -20,12 +20,13 @@ from service.api.deps import (
 )
 from service.models import utcnow
 from service.workers.fleet import list_workers, note_worker
-from service.workers.placement import holds_placement
+from service.workers.placement import holds_placement, queue_view
 
 MAX_WORKERS_PAGE = 500
 
 router = APIRouter(prefix="/workers", tags=["workers"], dependencies=[Depends(require_api)])
 internal_router = APIRouter(prefix="/internal/workers", tags=["internal"])
+queue_router = APIRouter(prefix="/queue", tags=["workers"], dependencies=[Depends(require_api)])
 
 
 @router.get("")
@@ -45,6 +46,27 @@ def read_workers(
         lease_seconds=settings.lease_seconds,
         limit=limit,
         owner_id=access.owner_filter(token),
+    )
+
+
+@queue_router.get("")
+def read_queue(
+    session: SessionDep,
+    settings: SettingsDep,
+    token: ApiTokenDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_WORKERS_PAGE)] = 100,
+) -> QueuePublic:
+    """Queued attempts in placement order (placed ones not claimed yet first), each with its
+    position, priority, owner, devices, nodes and why it waits as a placement pass would
+    decide now: no worker big enough, the owner's quota, behind higher priorities, a gang
+    waiting for free workers, preempting lower ones. A user token sees its own attempts only
+    (with their global positions)."""
+    return queue_view(
+        session=session,
+        lease_seconds=settings.lease_seconds,
+        queue=settings.queue,
+        owner_id=access.owner_filter(token),
+        limit=limit,
     )
 
 
