@@ -102,9 +102,13 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                     continue
                 task, args = message_of(session, row)
                 target = placed_queue(row, queue)
-                kwargs = {"member": row.member} if row.member is not None else {}
                 try:
-                    celery.send_task(task, args=args, kwargs=kwargs, queue=target)
+                    if row.member is None:
+                        celery.send_task(task, args=args, queue=target)
+                    else:  # a member of a multi-node attempt (contracts.dispatch)
+                        celery.send_task(
+                            task, args=args, kwargs={"member": row.member}, queue=target
+                        )
                 # Any failure to send (kombu's errors, or a transport's own such as redis-py's
                 # ConnectionError, which is no OSError) leaves the row for the next pass.
                 except Exception as err:

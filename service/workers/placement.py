@@ -156,7 +156,7 @@ def snapshot(*, session: Session, now: datetime, lease_seconds: float, queue: st
         quotas = dict(
             session.execute(
                 select(ApiToken.id, ApiToken.max_devices).where(ApiToken.id.in_(owners))
-            ).tuples()
+            )
         )
     return Snapshot(queued=queued, active=active, machines=machines, quotas=quotas)
 
@@ -208,7 +208,7 @@ def place(*, session_factory: sessionmaker[Session], lease_seconds: float, queue
             stored = dict(
                 session.execute(
                     select(Attempt.id, Attempt.waiting_reason).where(Attempt.id.in_(reasons))
-                ).tuples()
+                )
             )
             changed = [
                 {"id": i, "waiting_reason": r} for i, r in reasons.items() if stored.get(i) != r
@@ -258,7 +258,7 @@ def unplace_stale(
                     or_(~live, AttemptMember.placed_at <= cutoff),
                 )
                 .distinct()
-            ).tuples()
+            )
         )
         for attempt_id, count in due:
             session.execute(delete(AttemptMember).where(AttemptMember.attempt_id == attempt_id))
