@@ -153,11 +153,10 @@ def snapshot(*, session: Session, now: datetime, lease_seconds: float, queue: st
     owners = {q.owner for q in queued if q.owner is not None}
     quotas: dict[str, int | None] = {}
     if owners:
-        quotas = dict(
-            session.execute(
-                select(ApiToken.id, ApiToken.max_devices).where(ApiToken.id.in_(owners))
-            )
+        rows_ = session.execute(
+            select(ApiToken.id, ApiToken.max_devices).where(ApiToken.id.in_(owners))
         )
+        quotas = {token_id: cap for token_id, cap in rows_}
     return Snapshot(queued=queued, active=active, machines=machines, quotas=quotas)
 
 
@@ -205,11 +204,10 @@ def place(*, session_factory: sessionmaker[Session], lease_seconds: float, queue
             w.attempt_id: (None if w.reason == "placed" else w.reason) for w in decision.order
         }
         if reasons:
-            stored = dict(
-                session.execute(
-                    select(Attempt.id, Attempt.waiting_reason).where(Attempt.id.in_(reasons))
-                )
+            found = session.execute(
+                select(Attempt.id, Attempt.waiting_reason).where(Attempt.id.in_(reasons))
             )
+            stored = {attempt_id: reason for attempt_id, reason in found}
             changed = [
                 {"id": i, "waiting_reason": r} for i, r in reasons.items() if stored.get(i) != r
             ]
