@@ -1,8 +1,9 @@
 """Resource queues, the service's side, on real Postgres and Redis: every attempt records the
 devices it runs on (the workflow's for its phase, or the count the run was resumed with), its
-claim says so, it is placed on a worker that owns as many (its own queue), a resume may change the count
-for the rest of the run (checked against the phases' grad_accum, never a signature mismatch),
-workers' pings say what they own, and a run whose attempt no live worker can take says why."""
+claim says so, it is placed on a worker that owns as many (its own queue), a resume may change
+the count for the rest of the run (checked against the phases' grad_accum, never a signature
+mismatch), workers' pings say what they own, and a run whose attempt no live worker can take
+says why."""
 
 from __future__ import annotations
 
