@@ -9,7 +9,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from contracts.api import AttemptPublic, CheckpointSummary, InitialCheckpointFrom, RunPublic
@@ -17,7 +17,7 @@ from contracts.reports import Preparing
 from contracts.workflow import Plan
 from service.checkpoints.registry import USABLE
 from service.lifecycle import AttemptStatus, RunStatus, budget_use, recovery_seconds
-from service.models import Attempt, Checkpoint, Run, RunTag, utcnow
+from service.models import Attempt, AttemptMember, Checkpoint, Run, RunTag, utcnow
 from service.workers.fleet import LiveCapacity, largest_live_worker
 
 
@@ -168,19 +168,25 @@ def runs_public(
 
 
 def queue_position(session: Session, attempt: Attempt, priority: int) -> int:
-    """1 + the queued attempts placed before this one (service.workers.scheduler's order:
-    priority, then queued time, then id). One count query."""
+    """Its place in GET /queue's order: attempts placed (not claimed yet) first, then the
+    unplaced ones by service.workers.scheduler's order (priority, queued time, id). One count
+    query."""
+    placed = exists().where(AttemptMember.attempt_id == Attempt.id)
     mine = attempt.queued_at or utcnow()
-    ahead = or_(
-        Run.priority > priority,
-        and_(
-            Run.priority == priority,
-            or_(
-                Attempt.queued_at < mine,
-                and_(Attempt.queued_at == mine, Attempt.id < attempt.id),
+    if session.scalar(select(exists().where(AttemptMember.attempt_id == attempt.id))):
+        ahead: Any = placed & (Attempt.queued_at < mine)
+    else:
+        ahead = or_(
+            placed,
+            Run.priority > priority,
+            and_(
+                Run.priority == priority,
+                or_(
+                    Attempt.queued_at < mine,
+                    and_(Attempt.queued_at == mine, Attempt.id < attempt.id),
+                ),
             ),
-        ),
-    )
+        )
     count = session.scalar(
         select(func.count())
         .select_from(Attempt)

@@ -179,3 +179,28 @@ def test_an_attempt_whose_worker_dies_before_claiming_is_placed_again(
     (fresh,) = [w for w in workers if w["key"] == "fresh"]
     assert fresh["assignment"]["attempt_id"] == attempt_id
     assert fresh["assignment"]["claimed"] is False
+
+
+def test_the_cli_shows_the_queue_priorities_and_assignments(
+    api: Api, tiny_workflow: WorkflowFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_resource_queues import cli_on
+
+    from cli.common import console
+
+    trainctl = cli_on(api, monkeypatch)
+    monkeypatch.setattr(console, "width", 250)  # one line per row
+    ping_worker(api, key="only")
+    doc = tiny_workflow(phases=1, steps=10)
+    first = submit(api, {"workflow": doc, "name": "first"}).json()
+    second = submit(api, {"workflow": doc, "name": "second"}).json()
+    shown = trainctl("queue")
+    assert "placed" in shown and "waiting for a worker with 1 device to free up" in shown
+    assert "2 queued attempt(s)" in shown
+    assert f"run {second['id']}: priority 4, queue position 2" in trainctl(
+        "runs", "priority", second["id"], "4"
+    )
+    listed = trainctl("runs", "list")
+    assert "prio" in listed and "#2" in listed
+    workers = trainctl("workers")
+    assert f"{first['id']} ({first['attempts'][0]['id']}), placed, priority 0" in workers
