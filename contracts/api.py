@@ -73,7 +73,13 @@ def check_tag(value: str) -> str:
 # The schema's pattern says what check_tag refuses (its message is the one answered).
 Tag = Annotated[
     str,
-    Field(min_length=1, max_length=MAX_TAG, json_schema_extra={"pattern": r"^[^\s,\u0000]*$"}),
+    # The schema's \s (ECMAScript's) lacks what Python's isspace also refuses: \x1c-\x1f and
+    # \x85; they are named, so that a tag the schema allows is one check_tag accepts.
+    Field(
+        min_length=1,
+        max_length=MAX_TAG,
+        json_schema_extra={"pattern": r"^[^\s,\u0000\u001c-\u001f\u0085]*$"},
+    ),
     AfterValidator(check_tag),
 ]
 
