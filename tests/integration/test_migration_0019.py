@@ -5,6 +5,7 @@ downgrade drops all of it and keeps every run and attempt, on both databases."""
 from __future__ import annotations
 
 import pytest
+from sqlalchemy.exc import IntegrityError
 from test_migration_0012 import columns, execute, rows
 
 from service.db import downgrade_database, upgrade_database
@@ -47,7 +48,7 @@ def test_runs_get_priority_zero_and_attempts_a_queued_time(empty_database_url: s
         "INSERT INTO workers (hostname, pid, version, key, first_seen_at, last_seen_at) "
         "VALUES ('h', 1, 'v', 'k1', :now, :now)",
     )
-    with pytest.raises(Exception, match="(?i)unique"):
+    with pytest.raises(IntegrityError, match=r"(?i)unique"):
         execute(
             url,
             "INSERT INTO workers (hostname, pid, version, key, first_seen_at, "
