@@ -205,7 +205,15 @@ def test_tokens_are_listed_revoked_and_rotated_and_every_change_is_audited(
             assert listed.status_code == 200
             rows = listed.json()["tokens"]
             assert carol_id in {t["id"] for t in rows}
-            assert set(rows[0]) == {"id", "name", "role", "created_at", "rotated_at", "revoked_at"}
+            assert set(rows[0]) == {
+                "id",
+                "name",
+                "role",
+                "created_at",
+                "rotated_at",
+                "revoked_at",
+                "max_devices",
+            }
             assert carol_secret not in listed.text
             assert stack.admin not in listed.text and stack.worker_token not in listed.text
 

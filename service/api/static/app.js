@@ -371,7 +371,14 @@ function renderRuns({ runs, count }) {
           statusBadge(run.status),
           run.waiting_for_worker
             ? el("div", { class: "waiting", title: run.waiting_reason }, "waiting for a worker")
-            : null,
+            : run.queue_position
+              ? el(
+                  "div",
+                  { class: "waiting", title: run.waiting_reason || "placed on a worker" },
+                  `queue #${run.queue_position}`,
+                )
+              : null,
+          run.priority ? el("div", { class: "muted" }, `priority ${run.priority}`) : null,
           run.preparing ? el("div", { class: "muted preparing" }, preparingText(run.preparing)) : null,
         ),
         el("td", {}, phaseLabel(run)),
@@ -408,6 +415,7 @@ function renderWorkers({ workers, count, live }) {
           "td",
           {},
           w.run_id ? el("a", { href: `#/runs/${encodeURIComponent(w.run_id)}` }, w.run_id) : w.busy ? "busy" : "idle",
+          assignmentText(w) ? el("div", { class: "muted" }, assignmentText(w)) : null,
         ),
       ),
     ),
@@ -415,6 +423,15 @@ function renderWorkers({ workers, count, live }) {
   $("#workers-table").hidden = workers.length === 0;
   $("#workers-empty").hidden = workers.length !== 0;
   $("#workers-count").textContent = `${live} live of ${count}`;
+}
+
+// What the scheduler placed on the worker (GET /workers `assignment`), or "" when nothing.
+function assignmentText(w) {
+  const a = w.assignment;
+  if (!a) return "";
+  const member = a.member ? ` member ${a.member}` : "";
+  const what = a.run_id ? `${a.run_id}${member}` : `another owner's run${member}`;
+  return `${a.claimed ? "running" : "placed"}: ${what}, priority ${a.priority}`;
 }
 
 function progressBar(step, total) {
