@@ -17,7 +17,7 @@ from cli.eval import eval_checkpoint
 from cli.launcher import demo, serve, up, worker
 from cli.runs import runs_app
 from cli.tokens import tokens_app
-from cli.workers import workers_list
+from cli.workers import queue_list, workers_list
 from cli.workflow import workflow_app
 
 app = typer.Typer(help="Run and watch multi-phase LLM training workflows.", no_args_is_help=True)
@@ -31,6 +31,7 @@ app.command()(worker)
 app.command()(up)
 app.command()(demo)
 app.command("workers")(workers_list)
+app.command("queue")(queue_list)
 
 
 def main() -> None:  # pragma: no cover - the console script entry point

@@ -76,6 +76,13 @@ def runs_create(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Retry-safe key: the same key returns the same run.")
     ] = None,
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            help="Placement priority: higher is placed first and may preempt lower running "
+            "runs (default 0)."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Submit a workflow as a new run."""
@@ -93,7 +100,11 @@ def runs_create(
         start = {"run": from_run, **({"step": step} if best is None else {"best": best})}
     run = call(
         lambda api: api.create_run(
-            doc, name=name or None, initial_checkpoint=start, idempotency_key=idempotency_key
+            doc,
+            name=name or None,
+            initial_checkpoint=start,
+            idempotency_key=idempotency_key,
+            priority=priority,
         )
     )
     if as_json:
@@ -235,6 +246,8 @@ def runs_table(runs: list[dict[str, Any]]) -> FittedTable:
         text("status", min_width=9),
         text("phase", min_width=8, drop=SHORTEN + 3),
         number("step"),
+        number("prio", drop=SHORTEN + 4),
+        number("queue", drop=SHORTEN + 4),
         number("restarts", drop=SHORTEN + 2),
         text("tags", min_width=8, drop=SHORTEN + 1),
         Column("created", whole=True, drop=SHORTEN),
@@ -246,6 +259,8 @@ def runs_table(runs: list[dict[str, Any]]) -> FittedTable:
             run["status"] + (" (no worker)" if run.get("waiting_for_worker") else ""),
             run.get("phase") or "",
             f"{run['step']}/{run['total_steps']}",
+            str(run.get("priority", 0)),
+            "" if run.get("queue_position") is None else f"#{run['queue_position']}",
             str(run.get("restarts", 0) + run.get("preemptions", 0)),
             ", ".join(run.get("tags") or []),
             local_time(run["created_at"]),
@@ -267,20 +282,45 @@ def runs_update(
         bool, typer.Option("--clear-tags", help="Remove every tag of the run.")
     ] = False,
     note: Annotated[str | None, typer.Option(help='A note about the run ("" removes it).')] = None,
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            help="Placement priority: higher is placed first and may preempt lower running runs."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Set a run's name, tags or note (PATCH /runs/{id}); what is not given stays."""
+    """Set a run's name, tags, note or priority (PATCH /runs/{id}); what is not given
+    stays."""
     tags = [] if clear_tags else tag or None
-    if name is None and tags is None and note is None:
-        raise fail("give --name, --tag, --clear-tags or --note", EXIT_BAD_INPUT)
-    run = call(lambda api: api.update_run(run_id, name=name, tags=tags, note=note))
+    if name is None and tags is None and note is None and priority is None:
+        raise fail("give --name, --tag, --clear-tags, --note or --priority", EXIT_BAD_INPUT)
+    run = call(
+        lambda api: api.update_run(run_id, name=name, tags=tags, note=note, priority=priority)
+    )
     if as_json:
         print_json(run)
         return
     shown = ", ".join(run.tags) or "none"
-    console.print(f"run [bold]{run.id}[/bold] {run.name!r}: tags {shown}", markup=False)
+    console.print(f"run {run.id} {run.name!r}: tags {shown}, priority {run.priority}", markup=False)
     if run.note:
         console.print(f"note: {run.note}", markup=False)
+
+
+@runs_app.command("priority")
+def runs_priority(
+    run_id: RunId,
+    priority: Annotated[int, typer.Argument(help="Higher is placed first (default 0).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Set a run's placement priority: its queued attempts are placed in the new order, and
+    a higher one may preempt lower running ones (they checkpoint, yield and queue again)."""
+    run = call(lambda api: api.update_run(run_id, priority=priority))
+    if as_json:
+        print_json(run)
+        return
+    where = "" if run.queue_position is None else f", queue position {run.queue_position}"
+    console.print(f"run {run.id}: priority {run.priority}{where}", markup=False)
 
 
 @runs_app.command("compare")

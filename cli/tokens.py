@@ -91,13 +91,56 @@ def tokens_create(
         ),
     ] = Role.user,
     out: OutOpt = None,
+    max_devices: Annotated[
+        int | None,
+        typer.Option(
+            "--max-devices",
+            min=0,
+            help="The most devices its runs hold placed or running at once (default: unlimited).",
+        ),
+    ] = None,
 ) -> None:
     """Create a token in the database named by TRAINCTL_DATABASE_URL and print it once."""
     from service.auth import create_token
 
     with _token_session() as session:
-        token = create_token(session=session, name=name, role=role.value, **_cli_actor())
+        token = create_token(
+            session=session,
+            name=name,
+            role=role.value,
+            max_devices=max_devices,
+            **_cli_actor(),
+        )
     _write_secret(token, out)
+
+
+@tokens_app.command("update")
+def tokens_update(
+    token_id: Annotated[str, typer.Argument(help="The token's id (tokens list).")],
+    max_devices: Annotated[
+        int | None,
+        typer.Option(
+            "--max-devices",
+            min=0,
+            help="The most devices its runs hold placed or running at once.",
+        ),
+    ] = None,
+    unlimited: Annotated[bool, typer.Option("--unlimited", help="Remove its device cap.")] = False,
+) -> None:
+    """Change a token's device quota in the database named by TRAINCTL_DATABASE_URL (PATCH
+    /tokens/{id} over the API). Queued attempts over it wait; running ones are not stopped."""
+    from service.auth import set_max_devices
+
+    if (max_devices is None) == (not unlimited):
+        raise typer.BadParameter("give exactly one of --max-devices N or --unlimited")
+    with _token_session() as session:
+        row = _token_call(
+            lambda: set_max_devices(
+                session=session, token_id=token_id, max_devices=max_devices, **_cli_actor()
+            )
+        )
+        cap = "unlimited" if row.max_devices is None else f"{row.max_devices} devices"
+    print(f"token {token_id}: {cap}")
 
 
 @tokens_app.command("list")
@@ -117,6 +160,7 @@ def tokens_list(
                 "created_at": t.created_at.isoformat(),
                 "rotated_at": None if t.rotated_at is None else t.rotated_at.isoformat(),
                 "revoked_at": None if t.revoked_at is None else t.revoked_at.isoformat(),
+                "max_devices": None if t.max_devices is None else str(t.max_devices),
             }
             for t in list_tokens(session=session, revoked=revoked)
         ]
@@ -124,13 +168,14 @@ def tokens_list(
         print(json.dumps({"tokens": rows, "count": len(rows)}, indent=2))
         return
     table = Table()
-    for column in ("id", "name", "role", "created", "rotated", "revoked"):
+    for column in ("id", "name", "role", "max devices", "created", "rotated", "revoked"):
         table.add_column(column)
     for row in rows:
         table.add_row(
             row["id"],
             row["name"],
             row["role"],
+            row["max_devices"] or "",
             row["created_at"],
             row["rotated_at"] or "",
             row["revoked_at"] or "",

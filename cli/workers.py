@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.table import Table
 
 from cli.common import JsonOpt, call, console, jsonable
@@ -30,6 +31,7 @@ def workers_list(as_json: JsonOpt = False) -> None:
         running = f"{w['run_id']} ({w['attempt_id']})" if w.get("run_id") else "-"
         if running == "-" and w.get("busy"):
             running = "busy"
+        running = assignment_text(w) or running
         table.add_row(
             w["hostname"],
             str(w["pid"]),
@@ -42,6 +44,46 @@ def workers_list(as_json: JsonOpt = False) -> None:
         )
     console.print(table)
     console.print(f"{answer['live']} live of {answer['count']} worker(s) heard from")
+
+
+def assignment_text(worker: dict[str, Any]) -> str | None:
+    """What the scheduler placed on the worker: `run (attempt) member k, placed` until its
+    claim, then `running`; None when nothing is placed on it."""
+    placed = worker.get("assignment")
+    if not placed:
+        return None
+    what = f"{placed['run_id']} ({placed['attempt_id']})" if placed.get("run_id") else "another's"
+    member = f" member {placed['member']}" if placed.get("member") else ""
+    state = "running" if placed.get("claimed") else "placed"
+    return f"{what}{member}, {state}, priority {placed['priority']}"
+
+
+def queue_list(
+    limit: Annotated[int, typer.Option(min=1, max=500, help="Show at most this many.")] = 100,
+    as_json: JsonOpt = False,
+) -> None:
+    """List queued attempts in placement order (GET /queue): position, priority, owner,
+    devices x nodes and why each waits (no worker big enough, the owner's quota, behind
+    higher priorities, a gang waiting for free workers, preempting lower ones)."""
+    answer = jsonable(call(lambda api: api.queue(limit=limit)))
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return
+    table = Table()
+    for column in ("#", "run", "attempt", "priority", "owner", "devices", "waits"):
+        table.add_column(column)
+    for q in answer["attempts"]:
+        table.add_row(
+            str(q["position"]),
+            f"{q['run_id']} ({q['run_name']})",
+            q["attempt_id"],
+            str(q["priority"]),
+            q.get("owner_id") or "-",
+            f"{q['devices']} x {q['nodes']}" if q["nodes"] > 1 else str(q["devices"]),
+            q["reason"],
+        )
+    console.print(table)
+    console.print(f"{answer['count']} queued attempt(s)")
 
 
 def devices_text(worker: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from contracts.api import (
     EvalSummaryPublic,
     LedgerPublic,
     MetricSeriesPublic,
+    QueuePublic,
     RunComparison,
     RunPublic,
     RunsPublic,
@@ -127,6 +128,7 @@ class Client:
         max_restarts: int | None = None,
         max_preemptions: int | None = None,
         idempotency_key: str | None = None,
+        priority: int | None = None,
     ) -> RunPublic:
         """A new run of `workflow` (a document, or a file whose relative paths are resolved
         against its folder) or of a stored `workflow_id`. `initial_checkpoint`: a path the
@@ -139,6 +141,7 @@ class Client:
             initial_checkpoint=initial_checkpoint,
             max_restarts=max_restarts,
             max_preemptions=max_preemptions,
+            priority=priority,
         )
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return RunPublic.model_validate(
@@ -188,10 +191,13 @@ class Client:
         name: str | None = None,
         tags: Sequence[str] | None = None,
         note: str | None = None,
+        priority: int | None = None,
     ) -> RunPublic:
-        """Set the run's name, tags (the whole set; `[]` removes every tag) or note (`""`
-        removes it); what is None stays."""
-        body = _given(name=name, tags=None if tags is None else list(tags), note=note)
+        """Set the run's name, tags (the whole set; `[]` removes every tag), note (`""`
+        removes it) or placement priority; what is None stays."""
+        body = _given(
+            name=name, tags=None if tags is None else list(tags), note=note, priority=priority
+        )
         return RunPublic.model_validate(self.http.request("PATCH", f"/runs/{run_id}", json=body))
 
     def pause_run(self, run_id: str) -> RunPublic:
@@ -338,6 +344,12 @@ class Client:
             self.http.request("GET", "/workers", params={"limit": limit})
         )
 
+    def queue(self, *, limit: int = 100) -> QueuePublic:
+        """Queued attempts in placement order, each with why it waits."""
+        return QueuePublic.model_validate(
+            self.http.request("GET", "/queue", params={"limit": limit})
+        )
+
     def whoami(self) -> WhoAmI:
         """This client's token: its id, name, role and what the role may do."""
         return WhoAmI.model_validate(self.http.request("GET", "/whoami"))
@@ -347,10 +359,21 @@ class Client:
         answer = self.http.request("GET", "/tokens", params={"revoked": revoked})
         return TokensPublic.model_validate(answer)
 
-    def create_token(self, name: str, *, role: TokenRole = "user") -> TokenIssued:
-        """A new token (admin only); its secret is in this answer only."""
-        answer = self.http.request("POST", "/tokens", json={"name": name, "role": role})
+    def create_token(
+        self, name: str, *, role: TokenRole = "user", max_devices: int | None = None
+    ) -> TokenIssued:
+        """A new token (admin only); its secret is in this answer only. `max_devices`: the
+        most devices its runs hold at once (None: unlimited)."""
+        body = _given(name=name, role=role, max_devices=max_devices)
+        answer = self.http.request("POST", "/tokens", json=body)
         return TokenIssued.model_validate(answer)
+
+    def set_max_devices(self, token_id: str, max_devices: int | None) -> TokenPublic:
+        """Set the token's device quota (admin only); None removes it."""
+        answer = self.http.request(
+            "PATCH", f"/tokens/{token_id}", json={"max_devices": max_devices}
+        )
+        return TokenPublic.model_validate(answer)
 
     def revoke_token(self, token_id: str) -> TokenPublic:
         return TokenPublic.model_validate(self.http.request("DELETE", f"/tokens/{token_id}"))

@@ -41,6 +41,8 @@ MAX_RUNS_PAGE = 500
 MAX_TAGS = 32
 MAX_NOTE = 10_000
 MAX_COMPARED = 8
+# Run priorities lie in [-MAX_PRIORITY, MAX_PRIORITY].
+MAX_PRIORITY = 1_000_000
 
 
 class RunStatus(StrEnum):
@@ -168,6 +170,9 @@ class RunCreate(BaseModel):
     max_restarts: int | None = Field(None, ge=0, le=MAX_BUDGET)
     # New attempts after preemptions and lost workers; default TRAINCTL_MAX_PREEMPTIONS.
     max_preemptions: int | None = Field(None, ge=0, le=MAX_BUDGET)
+    # Placement order: higher first, then the oldest attempt; a queued attempt may preempt
+    # running ones of strictly lower priority (they checkpoint, yield and queue again).
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     @model_validator(mode="after")
     def _one_workflow(self) -> RunCreate:
@@ -185,6 +190,8 @@ class RunUpdate(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), NO_NUL] | None = None
     tags: Annotated[list[Tag], Field(max_length=MAX_TAGS)] | None = None
     note: Annotated[str, Field(max_length=MAX_NOTE), NO_NUL] | None = None
+    # The run's placement priority (its queued attempts are placed again in the new order).
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
 
 class RunResume(BaseModel):
@@ -259,6 +266,11 @@ class AttemptPublic(BaseModel):
     finished_at: datetime | None
     cause: str | None
     message: str | None
+    # The workers it runs on at once (a multi-node phase), each with `devices` devices.
+    nodes: int = 1
+    # Set when the service asked it to checkpoint and yield to a higher-priority attempt
+    # (it then ends `paused` with cause `priority`, not charged to max_preemptions).
+    yield_requested_at: datetime | None = None
     # How many times its message was sent again while it waited: no worker claimed it within
     # TRAINCTL_REDISPATCH_SECONDS though one was free (the broker had lost it).
     redispatches: int = 0
@@ -311,6 +323,10 @@ class RunPublic(BaseModel):
     recovery_seconds: float
     # Set while a pause waits for the running worker to checkpoint and stop.
     pause_requested_at: datetime | None
+    # Placement priority (higher first), and while its attempt is queued, its place in the
+    # placement order (1: next; GET /queue).
+    priority: int = 0
+    queue_position: int | None = None
     # The count the run was last resumed with (POST /runs/{id}/resume `devices`), which every
     # later attempt runs on; None: as the workflow asks for each phase.
     devices: int | None = None
@@ -350,6 +366,18 @@ class RunsPublic(BaseModel):
     next_cursor: str | None = None
 
 
+class WorkerAssignment(BaseModel):
+    """What the scheduler placed on a worker: an attempt (hidden from a user token when the
+    run is another owner's), its member number, and whether a worker claimed it yet."""
+
+    attempt_id: str | None
+    run_id: str | None
+    member: int
+    priority: int
+    placed_at: datetime
+    claimed: bool
+
+
 class WorkerPublic(BaseModel):
     """A worker process the service has heard from (a claim, a heartbeat or its ping)."""
 
@@ -371,6 +399,32 @@ class WorkerPublic(BaseModel):
     # None for a worker heard from only by its claims (counted as one device).
     devices: int | None = None
     device_kind: str | None = None
+    # Its own queue's key (from its ping; None: heard from only by claims, never placed on),
+    # and the attempt the service placed on it (claimed or not yet), as member `member`.
+    key: str | None = None
+    assignment: WorkerAssignment | None = None
+
+
+class QueuedAttemptPublic(BaseModel):
+    """A queued attempt in placement order, and why it waits (GET /queue)."""
+
+    position: int
+    attempt_id: str
+    run_id: str
+    run_name: str
+    priority: int
+    owner_id: str | None
+    devices: int
+    nodes: int
+    queued_at: datetime | None
+    # "placed" (its members' workers have its message), or a sentence: no worker big enough,
+    # the owner's quota, behind higher ones, a gang waiting for free workers, preempting X.
+    reason: str
+
+
+class QueuePublic(BaseModel):
+    attempts: list[QueuedAttemptPublic]
+    count: int
 
 
 class WorkersPublic(BaseModel):
@@ -636,6 +690,9 @@ class TokenPublic(BaseModel):
     created_at: datetime
     rotated_at: datetime | None
     revoked_at: datetime | None
+    # The most devices its runs' attempts may hold placed or running at once (None:
+    # unlimited).
+    max_devices: int | None = None
 
 
 class TokensPublic(BaseModel):
@@ -655,6 +712,16 @@ class TokenCreate(BaseModel):
 
     name: Annotated[str, Field(min_length=1, max_length=200), NO_NUL]
     role: TokenRole = "user"
+    # A cap on the devices its runs hold at once (None: unlimited).
+    max_devices: int | None = Field(None, ge=0, le=MAX_COUNT)
+
+
+class TokenUpdate(BaseModel):
+    """What PATCH /tokens/{id} changes; `max_devices` null removes the cap."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_devices: int | None = Field(None, ge=0, le=MAX_COUNT)
 
 
 class WhoAmI(BaseModel):

@@ -297,6 +297,12 @@ class WorkerPing(BaseModel):
     # consumes the queues of 1 to `devices` ranks (contracts.dispatch.served_queues).
     devices: int = Field(default=1, ge=1, le=MAX_DEVICES)
     device_kind: Literal["cpu", "cuda"] = "cpu"
+    # Its key (contracts.dispatch.worker_key): it consumes its own queue
+    # (contracts.dispatch.worker_queue), where the service sends the attempts it places on it.
+    # None from a worker that predates placement: it is listed, never placed on.
+    worker: (
+        Annotated[str, Field(min_length=1, max_length=120, pattern=r"^[A-Za-z0-9_-]+$")] | None
+    ) = None
 
 
 # A removal's reason is a sentence with a path or two in it; a longer one is cut by the worker.

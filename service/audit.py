@@ -37,6 +37,7 @@ AuditAction = Literal[
     "token.create",
     "token.revoke",
     "token.rotate",
+    "token.update",
 ]
 ACTIONS: tuple[str, ...] = get_args(AuditAction)
 

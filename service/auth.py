@@ -64,11 +64,17 @@ def create_token(
     role: TokenRole,
     actor_name: str | None = None,
     address: str | None = None,
+    max_devices: int | None = None,
 ) -> str:
     """Create a token and commit it with its audit event; return it (the only time it exists
     in clear). The event's actor is the request's token, else `actor_name`."""
     return issue_token(
-        session=session, name=name, role=role, actor_name=actor_name, address=address
+        session=session,
+        name=name,
+        role=role,
+        actor_name=actor_name,
+        address=address,
+        max_devices=max_devices,
     )[1]
 
 
@@ -79,15 +85,33 @@ def issue_token(
     role: TokenRole,
     actor_name: str | None = None,
     address: str | None = None,
+    max_devices: int | None = None,
 ) -> tuple[ApiToken, str]:
     """`create_token`, returning the row too."""
     token = new_token()
-    row = ApiToken(name=name, role=role, token_sha256=hash_token(token))
+    row = ApiToken(name=name, role=role, token_sha256=hash_token(token), max_devices=max_devices)
     session.add(row)
     session.flush()
     _record(session, "token.create", row, actor_name=actor_name, address=address)
     session.commit()
     return row, token
+
+
+def set_max_devices(
+    *,
+    session: Session,
+    token_id: str,
+    max_devices: int | None,
+    actor_name: str | None = None,
+    address: str | None = None,
+) -> ApiToken:
+    """Set the owner's device quota (None: unlimited) and commit it with its audit event. The
+    next placement pass holds its queued attempts to it; running ones are not stopped."""
+    row = get_token(session=session, token_id=token_id, lock=True)
+    row.max_devices = max_devices
+    _record(session, "token.update", row, actor_name=actor_name, address=address)
+    session.commit()
+    return row
 
 
 def find_token(*, session: Session, token: str) -> ApiToken | None:

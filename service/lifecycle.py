@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 from contracts.api import RunStatus
 from contracts.workflow import Workflow as WorkflowSpec
 from service.db import rowcount
-from service.models import Attempt, OutboxMessage, Run, Workflow, new_attempt_id, utcnow
+from service.models import Attempt, Run, Workflow, new_attempt_id, utcnow
 
 
 class AttemptStatus(StrEnum):
@@ -86,6 +86,9 @@ ATTEMPT_TRANSITIONS: dict[AttemptStatus, frozenset[AttemptStatus]] = {
 RETRIED_CAUSE = "infrastructure"
 # Attempt ends that count against max_preemptions: the worker was taken away (or hung).
 PREEMPTION_STATUSES = (AttemptStatus.PREEMPTED, AttemptStatus.LOST)
+# The cause of an attempt that checkpointed and yielded its workers to a higher-priority one
+# (it ends `paused`; never charged to a budget; its run is queued again on its own).
+PRIORITY_CAUSE = "priority"
 
 
 class IllegalTransition(RuntimeError):
@@ -235,10 +238,20 @@ def attempt_devices(session: Session, run: Run, phase_index: int) -> int:
     return WorkflowSpec.model_validate(workflow.spec).phase_devices(phase_index)
 
 
+def attempt_nodes(session: Session, run: Run, phase_index: int) -> int:
+    """The workers a new attempt of phase `phase_index` runs on at once: what the stored
+    workflow's phase asks (`resources.nodes`), 1 when it says nothing."""
+    workflow = session.get(Workflow, run.workflow_id)
+    assert workflow is not None, f"run {run.id} names no stored workflow"
+    spec = WorkflowSpec.model_validate(workflow.spec)
+    nodes = getattr(spec, "phase_nodes", None)
+    return int(nodes(phase_index)) if callable(nodes) else 1
+
+
 def add_attempt(*, session: Session, run: Run, phase_index: int) -> Attempt:
-    """A queued attempt (next number, on `attempt_devices`) plus its outbox row. Does not
-    commit: the caller's transaction makes both visible together, and the dispatcher sends
-    after the commit."""
+    """A queued attempt (next number, on `attempt_devices` x `attempt_nodes`). Its message is
+    written by the placement pass that puts it on workers (service.workers.placement), which
+    the caller runs after the commit (OutboxPump.dispatch). Does not commit."""
     last = session.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run.id))
     attempt = Attempt(
         id=new_attempt_id(),
@@ -246,11 +259,11 @@ def add_attempt(*, session: Session, run: Run, phase_index: int) -> Attempt:
         number=(last or 0) + 1,
         phase_index=phase_index,
         devices=attempt_devices(session, run, phase_index),
+        nodes=attempt_nodes(session, run, phase_index),
         status=AttemptStatus.QUEUED.value,
+        queued_at=utcnow(),
     )
     session.add(attempt)
-    session.flush()
-    session.add(OutboxMessage(attempt_id=attempt.id))
     session.flush()
     return attempt
 
@@ -334,6 +347,27 @@ def settle_attempt(
         )
         return None
 
+    yielded = (
+        attempt.status == AttemptStatus.PAUSED
+        and attempt.yield_requested_at is not None
+        and run.status != RunStatus.PAUSED
+        and run.pause_requested_at is None
+    )
+    if yielded:
+        # It made room for a higher priority: queued again from the checkpoint it just wrote,
+        # placed when workers free up; no budget is charged (budget_use counts paused as none).
+        attempt.cause = PRIORITY_CAUSE
+        attempt.message = (
+            "yielded its workers to a higher-priority attempt after a checkpoint; the run "
+            "continues by itself when workers free up"
+        )
+        move_run(
+            run,
+            RunStatus.RECOVERING,
+            now=now,
+            message=f"{where} yielded to a higher priority; queued again from its checkpoint",
+        )
+        return add_attempt(session=session, run=run, phase_index=attempt.phase_index)
     paused = AttemptStatus.PAUSED in (attempt.status, run.status)
     if paused or run.pause_requested_at is not None:
         move_run(

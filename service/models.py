@@ -193,6 +193,8 @@ class Run(Base):
     # later attempt, of this phase and the next ones, runs on it. None: as the workflow asks
     # (contracts.workflow.Workflow.phase_devices).
     devices: Mapped[int | None]
+    # Placement order (service.workers.scheduler): higher first; PATCH /runs/{id} changes it.
+    priority: Mapped[int] = mapped_column(default=0, server_default=text("0"))
     # Free text about the run, for people (PATCH /runs/{id}); its tags are rows of RunTag.
     note: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -260,6 +262,44 @@ class Attempt(Base):
     # within TRAINCTL_REDISPATCH_SECONDS though one was free (service.workers.dispatch
     # .redispatch_unclaimed).
     redispatches: Mapped[int] = mapped_column(default=0, server_default=text("0"))
+    # When it was queued: placement order within a priority (service.workers.scheduler).
+    queued_at: Mapped[datetime | None] = mapped_column(default=utcnow)
+    # The workers it runs on at once (a gang; attempt_members has one row per member).
+    nodes: Mapped[int] = mapped_column(default=1, server_default=text("1"))
+    # Why it still waits, as the last placement pass saw it (None once placed).
+    waiting_reason: Mapped[str | None] = mapped_column(Text)
+    # The service asked it to checkpoint and yield to a higher priority (its heartbeat answers
+    # "pause"; its run is queued again on its own, never charged to max_preemptions).
+    yield_requested_at: Mapped[datetime | None]
+
+
+class AttemptMember(Base):
+    """Member k of an attempt, placed on the worker whose key is `worker_id` (its own queue,
+    contracts.dispatch.worker_queue). An attempt is placed when its rows exist: all members
+    together, in the placement pass's transaction. claimed_at and heartbeat_at are the member's
+    own claim and last heartbeat (member claims of a multi-node phase)."""
+
+    __tablename__ = "attempt_members"
+    __table_args__ = (Index("ix_attempt_members_worker_id", "worker_id"),)
+
+    attempt_id: Mapped[str] = mapped_column(
+        ForeignKey("attempts.id", ondelete="CASCADE"), primary_key=True
+    )
+    member: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    worker_id: Mapped[str] = mapped_column(String(200))
+    placed_at: Mapped[datetime] = mapped_column(default=utcnow)
+    claimed_at: Mapped[datetime | None]
+    heartbeat_at: Mapped[datetime | None]
+
+
+class SchedulerState(Base):
+    """One row (`id` 1), updated first by every placement pass: the UPDATE's lock (a row lock
+    on Postgres, the write lock on SQLite) makes replicas' passes take turns."""
+
+    __tablename__ = "scheduler_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    passes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
 
 
 class Checkpoint(Base):
@@ -410,6 +450,10 @@ class OutboxMessage(Base):
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     sent_at: Mapped[datetime | None]
+    # A placed attempt's message goes to its worker's own queue, as member `member` (None: one
+    # member, sent without it). None for jobs, which go to the base queue.
+    queue: Mapped[str | None] = mapped_column(String(300))
+    member: Mapped[int | None]
 
 
 class ApiToken(Base):
@@ -427,6 +471,9 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     rotated_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]
+    # The most devices this owner's attempts may hold placed or running at once (None:
+    # unlimited): `trainctl tokens create --max-devices`, PATCH /tokens/{id}.
+    max_devices: Mapped[int | None]
 
 
 class AuditEvent(Base):
@@ -460,6 +507,7 @@ class Worker(Base):
     __table_args__ = (
         UniqueConstraint("hostname", "pid"),
         Index("ix_workers_last_seen_at", "last_seen_at"),
+        Index("ix_workers_key", "key", unique=True),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -473,6 +521,9 @@ class Worker(Base):
     # None for a worker heard from only by its claims, which counts as one device.
     devices: Mapped[int | None]
     device_kind: Mapped[str | None] = mapped_column(String(16))
+    # Its own queue's key (contracts.dispatch.worker_queue), from its ping; None for a worker
+    # heard from only by its claims, which cannot be placed on.
+    key: Mapped[str | None] = mapped_column(String(200))
     first_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 

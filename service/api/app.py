@@ -42,6 +42,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         celery=make_celery(settings.broker_url),
         queue=settings.queue,
         interval=settings.outbox_interval_seconds,
+        lease_seconds=settings.lease_seconds,
     )
     reaper = Reaper(
         session_factory=session_factory,
@@ -103,6 +104,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     ):
         app.include_router(module.router)
     app.include_router(workers.internal_router)
+    app.include_router(workers.queue_router)
     app.mount(dashboard.STATIC_PATH, dashboard.static_files(), name="static")
     return app
 

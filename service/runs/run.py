@@ -188,6 +188,7 @@ def create_run(
         max_preemptions=(
             default_max_preemptions if request.max_preemptions is None else request.max_preemptions
         ),
+        priority=request.priority,
     )
     session.add(run)
     try:
@@ -242,6 +243,10 @@ def _update_run(*, session: Session, run_id: str, request: RunUpdate) -> Run:
     given = request.model_fields_set
     if "name" in given and request.name is not None and request.name != run.name:
         run.name = request.name
+    if "priority" in given and request.priority is not None and request.priority != run.priority:
+        # Its queued attempts are placed in the new order from the next placement pass.
+        run.priority = request.priority
+        run.updated_at = utcnow()
     if "note" in given:
         note = request.note or None
         if note != run.note:

@@ -9,7 +9,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from contracts.api import AttemptPublic, CheckpointSummary, InitialCheckpointFrom, RunPublic
@@ -17,7 +17,7 @@ from contracts.reports import Preparing
 from contracts.workflow import Plan
 from service.checkpoints.registry import USABLE
 from service.lifecycle import AttemptStatus, RunStatus, budget_use, recovery_seconds
-from service.models import Attempt, Checkpoint, Run, RunTag, utcnow
+from service.models import Attempt, AttemptMember, Checkpoint, Run, RunTag, utcnow
 from service.workers.fleet import LiveCapacity, largest_live_worker
 
 
@@ -148,12 +148,52 @@ def runs_public(
         for run_id, attempt in queued.items()
         if (reason := waiting_reason(attempt, capacity, queue=queue)) is not None
     }
+    by_id = {run.id: run for run in runs}
+    positions = {
+        run_id: queue_position(session, attempt, by_id[run_id].priority)
+        for run_id, attempt in queued.items()
+    }
     return [
         _run_public(
-            run, attempts[run.id], latest.get(run.id), now, waiting.get(run.id), tags[run.id]
+            run,
+            attempts[run.id],
+            latest.get(run.id),
+            now,
+            waiting.get(run.id),
+            tags[run.id],
+            positions.get(run.id),
         )
         for run in runs
     ]
+
+
+def queue_position(session: Session, attempt: Attempt, priority: int) -> int:
+    """Its place in GET /queue's order: attempts placed (not claimed yet) first, then the
+    unplaced ones by service.workers.scheduler's order (priority, queued time, id). One count
+    query."""
+    placed = exists().where(AttemptMember.attempt_id == Attempt.id)
+    mine = attempt.queued_at or utcnow()
+    if session.scalar(select(exists().where(AttemptMember.attempt_id == attempt.id))):
+        ahead: Any = placed & (Attempt.queued_at < mine)
+    else:
+        ahead = or_(
+            placed,
+            Run.priority > priority,
+            and_(
+                Run.priority == priority,
+                or_(
+                    Attempt.queued_at < mine,
+                    and_(Attempt.queued_at == mine, Attempt.id < attempt.id),
+                ),
+            ),
+        )
+    count = session.scalar(
+        select(func.count())
+        .select_from(Attempt)
+        .join(Run, Run.id == Attempt.run_id)
+        .where(Attempt.status == AttemptStatus.QUEUED.value, Attempt.id != attempt.id, ahead)
+    )
+    return 1 + int(count or 0)
 
 
 def run_tags(*, session: Session, run_ids: list[str]) -> dict[str, list[str]]:
@@ -195,6 +235,13 @@ def run_public(*, session: Session, run: Run, lease_seconds: float, queue: str) 
     return runs_public(session=session, runs=[run], lease_seconds=lease_seconds, queue=queue)[0]
 
 
+def _placement_reason(attempts: list[Attempt]) -> str | None:
+    newest = attempts[-1] if attempts else None
+    if newest is None or newest.status != AttemptStatus.QUEUED:
+        return None
+    return newest.waiting_reason
+
+
 def _preparing(attempts: list[Attempt]) -> Preparing | None:
     newest = attempts[-1] if attempts else None
     if newest is None or newest.status != AttemptStatus.RUNNING or newest.preparing_file is None:
@@ -218,6 +265,7 @@ def _run_public(
     now: datetime,
     waiting: str | None,
     tags: list[str],
+    position: int | None = None,
 ) -> RunPublic:
     run_plan = Plan.model_validate(run.plan)
     phase = (
@@ -253,7 +301,11 @@ def _run_public(
         pause_requested_at=run.pause_requested_at,
         devices=run.devices,
         waiting_for_worker=waiting is not None,
-        waiting_reason=waiting,
+        # No worker could take it at all, else why the last placement pass left it waiting
+        # (the owner's quota, behind higher priorities, a gang waiting for free workers).
+        waiting_reason=waiting or _placement_reason(attempts),
+        priority=run.priority,
+        queue_position=position,
         preparing=_preparing(attempts),
         created_at=run.created_at,
         updated_at=run.updated_at,

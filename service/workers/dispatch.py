@@ -1,15 +1,17 @@
 """Commit, then enqueue: the outbox pump.
 
-An attempt's or a job's Celery message is first an outbox row, written in the transaction that
-creates the attempt or job. After the commit, `dispatch_pending` sends unsent rows by task name
-and marks them sent; a background thread repeats that every `outbox_interval_seconds`, so a
-message whose send failed (broker down, process died) goes out later. An attempt's message goes
-to the queue of its device count (contracts.dispatch.devices_queue: the base queue for one
-device, `<queue>.devices-N` for more), which only workers that own N devices or more consume;
-jobs go to the base queue, which every worker consumes. A row may be sent twice
-(a crash between the send and the mark): workers tolerate that, because a claim has exactly one
-winner and a job's first result is the one kept. Each send of a job's row counts as one of its
-deliveries (`Job.deliveries`, its budget: service.workers.job.fail_exhausted_jobs).
+An attempt's or a job's Celery message is first an outbox row: a job's is written in the
+transaction that creates the job, an attempt's by the placement pass that puts it on workers
+(service.workers.placement: one row per member, addressed to that worker's own queue,
+contracts.dispatch.worker_queue). After the commit, `dispatch_pending` sends unsent rows by task
+name and marks them sent; a background thread repeats that (placement pass first) every
+`outbox_interval_seconds`, so a message whose send failed (broker down, process died) goes out
+later. Jobs go to the base queue, which every worker consumes. An attempt row with no queue (one
+written before migration 0019) is marked sent unsent: placement sends the attempt's messages.
+A row may be sent twice (a crash between the send and the mark): workers tolerate that,
+because a claim has exactly one winner and a job's first result is the one kept. Each send of
+a job's row counts as one of its deliveries (`Job.deliveries`, its budget:
+service.workers.job.fail_exhausted_jobs).
 
 A message the broker took can still be lost (Redis restarted without persistence, a queue
 purged by hand), and its attempt would then stay queued for good: `redispatch_unclaimed`, run
@@ -21,12 +23,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import exists, or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -36,14 +37,12 @@ from contracts.dispatch import (
     INSPECT_DATASET_TASK,
     PREPARE_DATASET_TASK,
     RUN_PHASE_TASK,
-    devices_queue,
 )
 from runtime.broker import broker_options
-from service.db import database_now, rowcount
-from service.lifecycle import AttemptStatus
-from service.models import Attempt, Job, OutboxMessage
-from service.workers.fleet import largest_idle_worker
+from service.db import database_now
+from service.models import Job, OutboxMessage
 from service.workers.periodic import Periodic
+from service.workers.placement import place, unplace_stale
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +80,10 @@ def make_celery(broker_url: str) -> Celery:
 
 def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, queue: str) -> int:
     """Send every unsent outbox row (oldest first) and mark it sent; returns how many went out.
-    An attempt's message goes to its device count's queue (`queue_of`), a job's to `queue`.
+    A placed attempt's message goes to its worker's own queue, a job's to `queue`.
     Stops at the first broker error, which is logged: the rows stay for the next pass."""
     sent = 0
+    placed_queue = _placed_queue
     with session_factory() as session:
         while True:
             # SKIP LOCKED (Postgres): two service processes do not send the same rows at once.
@@ -94,14 +94,21 @@ def dispatch_pending(*, session_factory: sessionmaker[Session], celery: Celery, 
                 .limit(_BATCH)
                 .with_for_update(skip_locked=True)
             ).all()
-            queues = queue_of(session, rows, queue)
             # By the database's clock, as the redispatch pass judges it (one read a batch).
             now = database_now(session) if rows else None
             for row in rows:
+                if row.attempt_id is not None and row.queue is None:
+                    row.sent_at = now  # from before placement: placement sends the attempt
+                    continue
                 task, args = message_of(session, row)
-                target = queues.get(row.id, queue)
+                target = placed_queue(row, queue)
                 try:
-                    celery.send_task(task, args=args, queue=target)
+                    if row.member is None:
+                        celery.send_task(task, args=args, queue=target)
+                    else:  # a member of a multi-node attempt (contracts.dispatch)
+                        celery.send_task(
+                            task, args=args, kwargs={"member": row.member}, queue=target
+                        )
                 # Any failure to send (kombu's errors, or a transport's own such as redis-py's
                 # ConnectionError, which is no OSError) leaves the row for the next pass.
                 except Exception as err:
@@ -134,19 +141,10 @@ def _count_delivery(session: Session, job_id: str) -> None:
     )
 
 
-def queue_of(session: Session, rows: Sequence[OutboxMessage], queue: str) -> dict[int, str]:
-    """{outbox row id: the queue its attempt's message goes to}, for the rows that name an
-    attempt: `devices_queue(queue, attempt.devices)`. One query for all the rows."""
-    attempt_ids = {row.attempt_id for row in rows if row.attempt_id is not None}
-    if not attempt_ids:
-        return {}
-    found = session.execute(select(Attempt.id, Attempt.devices).where(Attempt.id.in_(attempt_ids)))
-    devices = {attempt_id: count for attempt_id, count in found}
-    return {
-        row.id: devices_queue(queue, devices.get(row.attempt_id, 1))
-        for row in rows
-        if row.attempt_id is not None
-    }
+def _placed_queue(row: OutboxMessage, queue: str) -> str:
+    """Where a row's message goes: a placed attempt's to its worker's own queue, a job's to
+    the base queue."""
+    return row.queue or queue
 
 
 def message_of(session: Session, row: OutboxMessage) -> tuple[str, list[Any]]:
@@ -166,60 +164,22 @@ def redispatch_unclaimed(
     now: datetime,
     after: float,
     lease_seconds: float,
-    queue: str,
+    queue: str = "",
 ) -> list[str]:
-    """Queue a new outbox row for every attempt still queued `after` seconds after its last
-    message went out (and none waits unsent), when a live worker of `queue` owning as many
-    devices runs nothing (service.workers.fleet.largest_idle_worker): that worker would have claimed
-    it, so its message is lost. With no such worker nothing is sent: a message waiting its turn
-    behind busy workers is not lost, and copies of it would pile up in the broker. Each re-send
-    is counted on the attempt, by a conditional UPDATE that also makes two replicas' passes
-    send it once. Returns the ids sent again; the caller dispatches."""
-    cutoff = now - timedelta(seconds=after)
-    queued = Attempt.status == AttemptStatus.QUEUED.value
-    with session_factory() as session:
-        free = largest_idle_worker(
-            session=session, now=now, lease_seconds=lease_seconds, queue=queue
-        )
-        if free is None:
-            return []
-        recent = exists().where(
-            OutboxMessage.attempt_id == Attempt.id,
-            or_(OutboxMessage.sent_at.is_(None), OutboxMessage.sent_at > cutoff),
-        )
-        due = session.execute(
-            select(Attempt.id, Attempt.redispatches)
-            .where(queued, Attempt.devices <= free, ~recent)
-            .order_by(Attempt.id)
-            .limit(_BATCH)
-        ).all()
-    sent = []
-    for attempt_id, count in due:
-        with session_factory() as session:
-            won = session.execute(
-                update(Attempt)
-                .where(Attempt.id == attempt_id, queued, Attempt.redispatches == count)
-                .values(redispatches=count + 1)
-                .execution_options(synchronize_session=False)
-            )
-            if rowcount(won) != 1:  # claimed, superseded, or sent by another replica
-                session.rollback()
-                continue
-            session.add(OutboxMessage(attempt_id=attempt_id))
-            session.commit()
-        log.warning(
-            "attempt %s is still queued %.0f s after its message went out while a worker is "
-            "free: the broker lost it; sent again (re-send %d)",
-            attempt_id,
-            after,
-            count + 1,
-        )
-        sent.append(attempt_id)
-    return sent
+    """Take back the placement of every queued attempt whose worker died after it was placed
+    on, or left its message unclaimed for `after` seconds (the broker lost it): the next
+    placement pass places it again, on a live worker, with new messages. Counted on the
+    attempt (`redispatches`). Returns the ids; the caller dispatches (which places first).
+    `queue` is unused: a placement names its worker."""
+    del queue
+    return unplace_stale(
+        session_factory=session_factory, now=now, after=after, lease_seconds=lease_seconds
+    )
 
 
 class OutboxPump(Periodic):
-    """Dispatches after commits (`dispatch`) and every `interval` seconds in a thread."""
+    """Places queued attempts (service.workers.placement.place) and sends the outbox after
+    commits (`dispatch`) and every `interval` seconds in a thread."""
 
     name = "outbox"
 
@@ -230,17 +190,26 @@ class OutboxPump(Periodic):
         celery: Celery,
         queue: str,
         interval: float,
+        lease_seconds: float | None = None,
     ) -> None:
         super().__init__(interval=interval)
         self.session_factory = session_factory
         self.celery = celery
         self.queue = queue
+        # None: no placement pass (a pump that only sends, as some tests build it).
+        self.lease_seconds = lease_seconds
         # One pass at a time per process: a concurrent pass would only send duplicates.
         self._lock = threading.Lock()
 
     def dispatch(self) -> int:
         with self._lock:
             try:
+                if self.lease_seconds is not None:
+                    place(
+                        session_factory=self.session_factory,
+                        lease_seconds=self.lease_seconds,
+                        queue=self.queue,
+                    )
                 return dispatch_pending(
                     session_factory=self.session_factory, celery=self.celery, queue=self.queue
                 )

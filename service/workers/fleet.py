@@ -12,10 +12,10 @@ from typing import Any
 from sqlalchemy import exists, func, or_, select
 from sqlalchemy.orm import Session
 
-from contracts.api import WorkerPublic, WorkersPublic
+from contracts.api import WorkerAssignment, WorkerPublic, WorkersPublic
 from service.db import insert_for
 from service.lifecycle import AttemptStatus
-from service.models import Attempt, Run, Worker
+from service.models import Attempt, AttemptMember, Run, Worker
 
 # What a worker first heard from by a claim or heartbeat (which carry no version) shows
 # until its ping says.
@@ -34,6 +34,7 @@ def note_worker(
     attempt_id: str | None = None,
     devices: int | None = None,
     device_kind: str | None = None,
+    key: str | None = None,
 ) -> None:
     """Record that the worker (hostname, pid) was heard from at `now`: inserted the first time,
     else updated; a field not given keeps what was stored (a claim says nothing of the
@@ -46,6 +47,7 @@ def note_worker(
         "attempt_id": attempt_id,
         "devices": devices,
         "device_kind": device_kind,
+        "key": key,
     }
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     insert = insert_for(session, Worker).values(
@@ -154,6 +156,27 @@ def list_workers(
         .order_by(Worker.last_seen_at.desc(), Worker.id.desc())
         .limit(limit)
     ).all()
+    keys = [w.key for w, _, _ in rows if w.key is not None]
+    placed = {}
+    if keys:
+        for member, status, run_id_, owner_, priority in session.execute(
+            select(AttemptMember, Attempt.status, Run.id, Run.owner_id, Run.priority)
+            .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+            .join(Run, Run.id == Attempt.run_id)
+            .where(
+                AttemptMember.worker_id.in_(keys),
+                Attempt.status.in_((AttemptStatus.QUEUED.value, AttemptStatus.RUNNING.value)),
+            )
+        ):
+            seen = owner_id is None or owner_ == owner_id
+            placed[member.worker_id] = WorkerAssignment(
+                attempt_id=member.attempt_id if seen else None,
+                run_id=run_id_ if seen else None,
+                member=member.member,
+                priority=priority,
+                placed_at=member.placed_at,
+                claimed=status == AttemptStatus.RUNNING.value,
+            )
     workers = []
     for worker, run_id, run_owner in rows:
         shown = run_id is not None and (owner_id is None or run_owner == owner_id)
@@ -171,6 +194,8 @@ def list_workers(
                 run_id=run_id if shown else None,
                 devices=worker.devices,
                 device_kind=worker.device_kind,
+                key=worker.key,
+                assignment=placed.get(worker.key) if worker.key is not None else None,
             )
         )
     count = session.scalar(select(func.count()).select_from(Worker)) or 0

@@ -425,6 +425,12 @@ def heartbeat(
     attempt.preparing_fraction = None if preparing is None else preparing.fraction
     set_run_step(run, report.step)
     # The lease is renewed either way: a pausing worker needs time to write its checkpoint.
-    pausing = run.pause_requested_at is not None or run.status == RunStatus.PAUSED
+    # A yield to a higher priority (service.workers.placement) is a pause of this attempt
+    # alone: the run is queued again when it ends.
+    pausing = (
+        run.pause_requested_at is not None
+        or run.status == RunStatus.PAUSED
+        or attempt.yield_requested_at is not None
+    )
     session.commit()
     return HeartbeatAnswer(action="pause" if pausing else "continue", lease_seconds=lease_seconds)

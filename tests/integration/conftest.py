@@ -134,6 +134,11 @@ def make_settings(tmp_path: Path, postgres_url: str, redis_url: str) -> Iterator
         for queue in queues:
             # The queue's list and kombu's binding keys (their names vary across versions).
             client.delete(queue, *client.scan_iter(match=f"_kombu.binding*.{queue}"))
+            # Workers' own queues (contracts.dispatch.worker_queue) and their bindings.
+            own = [*client.scan_iter(match=f"{queue}.worker.*")]
+            own += [*client.scan_iter(match=f"_kombu.binding*.{queue}.worker.*")]
+            if own:
+                client.delete(*own)
     finally:
         client.close()
 

@@ -53,12 +53,35 @@ def submit(api: Api, body: dict[str, Any], **headers: str) -> Any:
 
 
 def queued_messages(settings: ServiceSettings) -> list[dict[str, Any]]:
-    """Celery messages waiting in Redis for the settings' queue."""
+    """Celery messages waiting in Redis for the settings' queue and every worker's own queue
+    (where the service sends the attempts it places: contracts.dispatch.worker_queue)."""
     client = redis.Redis.from_url(settings.broker_url)
     try:
-        return [json.loads(raw) for raw in client.lrange(settings.queue, 0, -1)]
+        queues = [settings.queue.encode()]
+        queues += sorted(client.scan_iter(match=f"{settings.queue}.worker.*"))
+        return [json.loads(raw) for queue in queues for raw in client.lrange(queue, 0, -1)]
     finally:
         client.close()
+
+
+WORKER_KEY = "gpu-1-4242-test"
+
+
+def ping_worker(
+    api: Api, *, pid: int = 4242, devices: int = 1, key: str = WORKER_KEY, hostname: str = "gpu-1"
+) -> None:
+    """A live worker with its own queue (key `key`), as a worker process's ping says: the
+    service places queued attempts on it (service.workers.placement)."""
+    body = {
+        "hostname": hostname,
+        "pid": pid,
+        "version": "0.1.0",
+        "queue": api.settings.queue,
+        "devices": devices,
+        "worker": key,
+    }
+    response = api.client.post("/internal/workers/ping", json=body, headers=api.worker)
+    assert response.status_code == 200, response.text
 
 
 def message_args(message: dict[str, Any]) -> list[Any]:
@@ -311,6 +334,7 @@ def test_initial_checkpoint_is_part_of_the_signature(
 def test_submitted_run_is_sent_to_its_queue_and_the_outbox_row_marked_sent(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
+    ping_worker(api)
     response = submit(api, {"workflow": tiny_workflow()})
     assert response.status_code == 201, response.text
     run = response.json()
@@ -326,6 +350,8 @@ def test_submitted_run_is_sent_to_its_queue_and_the_outbox_row_marked_sent(
         (row,) = session.scalars(select(OutboxMessage)).all()
         assert row.attempt_id == attempt_id
         assert row.sent_at is not None
+        # Placed on the one live worker: to its own queue.
+        assert row.queue == f"{api.settings.queue}.worker.{WORKER_KEY}"
 
 
 def test_run_submitted_while_the_broker_is_down_is_kept_in_the_outbox(
@@ -363,6 +389,7 @@ def test_list_runs_newest_first_with_status_filter_and_limit(
 def test_worker_protocol_runs_every_phase_to_success(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
+    ping_worker(api)  # each phase is placed on it once the previous one ended
     run = submit(api, {"workflow": tiny_workflow(phases=3, steps=10)}).json()
     run_id = run["id"]
     first = Worker(api, run["attempts"][0]["id"])

@@ -30,6 +30,8 @@ TABLES = {
     "reaper_state",
     "workflow_owners",
     "input_digests",
+    "attempt_members",
+    "scheduler_state",
 }
 
 

@@ -22,6 +22,7 @@ from test_api import (
     eval_point,
     get_run,
     message_args,
+    ping_worker,
     queued_messages,
     submit,
 )
@@ -73,6 +74,7 @@ def post(api: Api, run_id: str, action: str) -> Any:
 def test_reaper_recovers_a_lost_attempt_within_budget_then_fails_the_run_beyond_it(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
+    ping_worker(api)  # attempts are placed on it: their messages go to its own queue
     run = submit(api, {"workflow": tiny_workflow(phases=1), "max_preemptions": 1}).json()
     first = claimed(api, run["id"])
     first.checkpoint(step=4, phase_index=0, phase_step=4)
@@ -201,6 +203,7 @@ def test_a_full_disk_fails_the_run_without_a_restart_and_resume_continues_from_i
 ) -> None:
     """A new attempt would meet the same full disk: the run fails at once, keeping its whole
     restart budget, and continues from its latest checkpoint once resumed (space freed)."""
+    ping_worker(api)  # attempts are placed on it: their messages go to its own queue
     run = submit(api, {"workflow": tiny_workflow(phases=1, steps=10), "max_restarts": 3}).json()
     first = claimed(api, run["id"])
     assert first.checkpoint(step=4, phase_index=0, phase_step=4).status_code == 200

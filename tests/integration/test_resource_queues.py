@@ -1,8 +1,9 @@
 """Resource queues, the service's side, on real Postgres and Redis: every attempt records the
 devices it runs on (the workflow's for its phase, or the count the run was resumed with), its
-claim says so, its Celery message goes to that count's queue, a resume may change the count
-for the rest of the run (checked against the phases' grad_accum, never a signature mismatch),
-workers' pings say what they own, and a run whose attempt no live worker can take says why."""
+claim says so, it is placed on a worker that owns as many (its own queue), a resume may change
+the count for the rest of the run (checked against the phases' grad_accum, never a signature
+mismatch), workers' pings say what they own, and a run whose attempt no live worker can take
+says why."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from test_api import Worker, assert_error, current_attempt, get_run, message_arg
 from cli.runs import waiting_text
 from cli.watch import _fields, waiting_reason
 from cli.workers import devices_text
-from contracts.dispatch import devices_queue
+from contracts.dispatch import worker_queue
 from service.models import Attempt
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ def api(make_settings: SettingsFactory, make_api: ApiFactory, redis_url: str) ->
         queue = made.settings.queue
         keys = [*client.scan_iter(match=f"{queue}.devices-*")]
         keys += [*client.scan_iter(match=f"_kombu.binding*.{queue}.devices-*")]
+        keys += [*client.scan_iter(match=f"{queue}.worker.*")]
         if keys:
             client.delete(*keys)
     finally:
@@ -56,14 +58,22 @@ def two_device_workflow(tiny_workflow: WorkflowFactory) -> dict[str, Any]:
 
 
 def messages(settings: ServiceSettings, devices: int) -> list[str]:
-    """The attempt ids of the run_phase messages waiting in Redis on the queue of `devices`
-    (kombu keeps a queue as a Redis list of its name, pushing on the left), oldest first."""
+    """The attempt ids of the run_phase messages waiting in Redis on the own queue of the
+    worker `fleet` made with `devices` devices (kombu keeps a queue as a Redis list of its
+    name, pushing on the left), oldest first. The service places an attempt on the smallest
+    free worker big enough for it (service.workers.scheduler)."""
     client = redis.Redis.from_url(settings.broker_url)
     try:
-        raw = client.lrange(devices_queue(settings.queue, devices), 0, -1)
+        raw = client.lrange(worker_queue(settings.queue, f"d{devices}"), 0, -1)
     finally:
         client.close()
     return [message_args(json.loads(m))[0] for m in reversed(raw)]
+
+
+def fleet(api: Api) -> None:
+    """Live workers `d1`, `d2` and `d4` owning 1, 2 and 4 devices."""
+    for n in (1, 2, 4):
+        ping(api, hostname="gpu-d", pid=n, devices=n, worker=f"d{n}")
 
 
 def resume(api: Api, run_id: str, body: dict[str, Any] | None = None) -> Any:
@@ -99,6 +109,7 @@ def finish_phase(worker: Worker, *, phase: int, end: int) -> None:
 def test_each_attempt_runs_on_its_phases_devices_and_is_sent_to_that_queue(
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
+    fleet(api)
     run = submit(api, {"workflow": two_device_workflow(tiny_workflow)}).json()
     first = run["attempts"][0]
     assert first["devices"] == 2
@@ -128,6 +139,7 @@ def test_a_resume_with_devices_overrides_the_workflow_for_the_rest_of_the_run(
 ) -> None:
     doc = two_device_workflow(tiny_workflow)
     doc["phases"][1].update(grad_accum=4)  # asks for 1 device, may run on 1, 2 or 4
+    fleet(api)
     run = submit(api, {"workflow": doc}).json()
     worker = Worker(api, run["attempts"][0]["id"])
     assert worker.claim().status_code == 200
@@ -299,7 +311,7 @@ def test_a_run_waits_while_no_live_worker_owns_the_devices_its_attempt_needs(
     assert run["waiting_reason"].startswith("no live worker has been seen")
     assert api.settings.queue in run["waiting_reason"]
 
-    ping(api, devices=1, device_kind="cuda")
+    ping(api, devices=1, device_kind="cuda", worker="gpu-9-one")
     state = get_run(api, run["id"])
     assert state["waiting_for_worker"] is True
     assert state["waiting_reason"] == (
@@ -318,7 +330,8 @@ def test_a_run_waits_while_no_live_worker_owns_the_devices_its_attempt_needs(
     assert Worker(api, other["attempts"][0]["id"]).claim(pid=99).status_code == 200
     assert get_run(api, run["id"])["waiting_for_worker"] is True
 
-    ping(api, devices=2, device_kind="cuda")
+    # A free worker that owns two: the run is placed on it.
+    ping(api, pid=4712, devices=2, device_kind="cuda", worker="gpu-9-two")
     state = get_run(api, run["id"])
     assert (state["waiting_for_worker"], state["waiting_reason"]) == (False, None)
     assert waiting_reason(state) is None

@@ -16,6 +16,7 @@ from test_api import (
     current_attempt,
     get_run,
     message_args,
+    ping_worker,
     queued_messages,
     submit,
 )
@@ -92,6 +93,7 @@ def test_run_from_an_initial_checkpoint_resumes_with_its_id_alone_inside_a_phase
     api: Api, tiny_workflow: WorkflowFactory
 ) -> None:
     weights = write_weights(api, "base.safetensors", b"pretrained weights")
+    ping_worker(api)  # the service places each attempt on it (its message goes there)
     run = seeded_run(api, tiny_workflow(phases=2, steps=10))
     first = Worker(api, run["attempts"][0]["id"])
     first.claim()
@@ -232,6 +234,7 @@ def test_the_same_initial_checkpoint_moved_elsewhere_is_accepted(
 
 
 def test_resuming_a_succeeded_run_takes_no_step(api: Api, tiny_workflow: WorkflowFactory) -> None:
+    ping_worker(api)
     run = submit(api, {"workflow": tiny_workflow(phases=1)}).json()
     worker = Worker(api, run["attempts"][0]["id"])
     worker.claim()

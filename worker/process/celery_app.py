@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ import httpx
 from celery import Celery
 from celery.signals import setup_logging, worker_ready, worker_shutdown
 
-from contracts.dispatch import served_queues
+from contracts.dispatch import served_queues, worker_key, worker_queue
 from contracts.reports import WorkerPing
 from runtime.broker import broker_options
 from runtime.logs import configure_logging
@@ -78,6 +79,16 @@ def _setup_logging(**_: Any) -> None:
     configure_logging(app.settings.log_format, app.settings.log_level)
 
 
+# This process's life: a pid reused after a restart makes another key.
+_BOOT = secrets.token_hex(4)
+
+
+def own_key() -> str:
+    """This worker process's key (contracts.dispatch.worker_key): the service sends the
+    attempts it places here to `worker_queue(queue, own_key())`, and the ping announces it."""
+    return worker_key(socket.gethostname(), os.getpid(), _BOOT)
+
+
 def worker_version() -> str:
     try:
         return package_version("trainctl")
@@ -100,6 +111,7 @@ def ping_service(settings: WorkerSettings, stopped: threading.Event) -> None:
         queue=settings.queue,
         devices=len(ids),
         device_kind=kind,
+        worker=own_key(),
     )
     failing = False
     auth = WorkerAuth.of(settings)
@@ -142,6 +154,9 @@ def start_worker(settings: WorkerSettings, extra_args: Sequence[str] = ()) -> No
         from worker.metrics import serve
 
         serve(settings.metrics_port)
-    # The queues of every rank count this worker's devices can run (contracts.dispatch).
-    queues = ",".join(served_queues(settings.queue, len(owned_devices(settings)[1])))
+    # Its own queue, where the service sends the attempts it places here, and the base queue
+    # (jobs; the queues of every rank count its devices can run, for a service from before
+    # placement: contracts.dispatch).
+    own = worker_queue(settings.queue, own_key())
+    queues = ",".join([own, *served_queues(settings.queue, len(owned_devices(settings)[1]))])
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", queues, *extra_args])

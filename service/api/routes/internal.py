@@ -240,16 +240,17 @@ def finish(
     background: BackgroundTasks,
     token: WorkerDep,
 ) -> Accepted:
-    """End the attempt; the next phase's (or a restart's) attempt is dispatched after commit.
+    """End the attempt; after the commit a placement pass puts the next phase's (or a
+    restart's) attempt, or the next queued one, on the worker this freed, and sends it.
     A `succeeded` finish that is not true (not the phase's last step, or its final checkpoint
     not registered) is 409 `unverified_finish`."""
-    next_attempt = finish_attempt(
+    finish_attempt(
         session=session,
         attempt_id=attempt_id,
         report=body,
         token=token,
         lease_seconds=settings.lease_seconds,
     )
-    if next_attempt is not None:
-        background.add_task(pump.dispatch)
+    # Always: the worker is free now, whatever follows for this run.
+    background.add_task(pump.dispatch)
     return Accepted(accepted=1)

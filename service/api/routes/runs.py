@@ -248,13 +248,24 @@ def read_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunPubl
 
 
 @router.patch("/{run_id}")
-def update(run: RunDep, body: RunUpdate, session: SessionDep, settings: SettingsDep) -> RunPublic:
-    """Set the run's `name`, `tags` (the whole set: `[]` removes every tag) and `note`
-    (null or "" removes it); a field left out stays. Nothing else of a run changes this way:
-    what it trains on is its signature's."""
+def update(
+    run: RunDep,
+    body: RunUpdate,
+    session: SessionDep,
+    settings: SettingsDep,
+    pump: PumpDep,
+    background: BackgroundTasks,
+) -> RunPublic:
+    """Set the run's `name`, `tags` (the whole set: `[]` removes every tag), `note`
+    (null or "" removes it) and `priority` (its queued attempts are placed in the new order;
+    a higher one may preempt lower running ones); a field left out stays. Nothing else of a
+    run changes this way: what it trains on is its signature's."""
     fields = sorted(body.model_fields_set)
     audit.expect(session, "run.update", run.id, {"fields": fields})
-    return _public(session, settings, update_run(session=session, run_id=run.id, request=body))
+    updated = update_run(session=session, run_id=run.id, request=body)
+    if "priority" in body.model_fields_set:
+        background.add_task(pump.dispatch)
+    return _public(session, settings, updated)
 
 
 @router.post("/{run_id}/resume")

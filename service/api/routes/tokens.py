@@ -1,7 +1,7 @@
 """Tokens (admin tokens only): `GET /tokens`, `POST /tokens`, `DELETE /tokens/{id}` (revoke),
-`POST /tokens/{id}/rotate`; and `GET /whoami`, any token's own id, name and role (the
-dashboard learns from it what to offer). A token's secret is in the answer of its creation or
-rotation only; no answer ever carries a secret's hash."""
+`POST /tokens/{id}/rotate`, `PATCH /tokens/{id}` (its device quota); and `GET /whoami`, any
+token's own id, name and role (the dashboard learns from it what to offer). A token's secret
+is in the answer of its creation or rotation only; no answer ever carries a secret's hash."""
 
 from __future__ import annotations
 
@@ -9,10 +9,24 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, status
 
-from contracts.api import TokenCreate, TokenIssued, TokenPublic, TokensPublic, WhoAmI
+from contracts.api import (
+    TokenCreate,
+    TokenIssued,
+    TokenPublic,
+    TokensPublic,
+    TokenUpdate,
+    WhoAmI,
+)
 from service.access import READ_ROLES, WRITE_ROLES
 from service.api.deps import AdminDep, AnyTokenDep, SessionDep, SettingsDep, require_admin
-from service.auth import issue_token, list_tokens, revoke_token, rotate_token
+from service.auth import (
+    get_token,
+    issue_token,
+    list_tokens,
+    revoke_token,
+    rotate_token,
+    set_max_devices,
+)
 from service.models import ApiToken
 
 router = APIRouter(tags=["tokens"])
@@ -50,7 +64,9 @@ def read_tokens(
 @admin.post("", status_code=status.HTTP_201_CREATED)
 def create(body: TokenCreate, session: SessionDep) -> TokenIssued:
     """A new token of `role` (default `user`); its secret is in this answer only."""
-    row, secret = issue_token(session=session, name=body.name, role=body.role)
+    row, secret = issue_token(
+        session=session, name=body.name, role=body.role, max_devices=body.max_devices
+    )
     return TokenIssued(token=_public(row), secret=secret)
 
 
@@ -69,6 +85,17 @@ def revoke(
     return _public(
         revoke_token(session=session, token_id=token_id, caller=caller.id, allow_self=allow_self)
     )
+
+
+@admin.patch("/{token_id}")
+def update(token_id: str, body: TokenUpdate, session: SessionDep) -> TokenPublic:
+    """Set the token's `max_devices`: the most devices its runs' attempts hold placed or
+    running at once (null: unlimited). A field left out stays. Queued attempts over it wait
+    (`waiting_reason`); running ones are not stopped."""
+    row = get_token(session=session, token_id=token_id)
+    if "max_devices" in body.model_fields_set:
+        row = set_max_devices(session=session, token_id=token_id, max_devices=body.max_devices)
+    return _public(row)
 
 
 @admin.post("/{token_id}/rotate")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -24,11 +24,15 @@ class Broker:
     def __init__(self, fail_from: int | None = None) -> None:
         self.sent: list[tuple[str, list[Any], str]] = []
         self.fail_from = fail_from
+        self.kwargs: list[dict[str, Any] | None] = []
 
-    def send_task(self, name: str, *, args: list[Any], queue: str) -> None:
+    def send_task(
+        self, name: str, *, args: list[Any], queue: str, kwargs: dict[str, Any] | None = None
+    ) -> None:
         if self.fail_from is not None and len(self.sent) >= self.fail_from:
             raise ConnectionError("broker down")
         self.sent.append((name, args, queue))
+        self.kwargs.append(kwargs)
 
 
 @pytest.fixture
@@ -38,7 +42,14 @@ def sessions(tmp_path: Path) -> sessionmaker[Session]:
     return make_session_factory(url)
 
 
-def add_attempt(session: Session, *, run_id: str = "run_1", devices: int | None = None) -> str:
+def add_attempt(
+    session: Session,
+    *,
+    run_id: str = "run_1",
+    devices: int | None = None,
+    queue: str | None = "q.worker.w1",
+    member: int | None = None,
+) -> str:
     # No relationships between the models: flush each parent before its child.
     if session.get(Workflow, "w" * 64) is None:
         session.add(Workflow(id="w" * 64, name="w", spec={}))
@@ -62,7 +73,7 @@ def add_attempt(session: Session, *, run_id: str = "run_1", devices: int | None 
     counted = {} if devices is None else {"devices": devices}
     session.add(Attempt(id=attempt_id, run_id=run_id, number=1, phase_index=0, **counted))
     session.flush()
-    session.add(OutboxMessage(attempt_id=attempt_id))
+    session.add(OutboxMessage(attempt_id=attempt_id, queue=queue, member=member))
     return attempt_id
 
 
@@ -89,7 +100,7 @@ def test_attempts_and_jobs_are_sent_as_their_tasks_oldest_first(
     broker = Broker()
     assert send(sessions, broker) == 3
     assert broker.sent == [
-        (RUN_PHASE_TASK, [attempt_id], "q"),
+        (RUN_PHASE_TASK, [attempt_id], "q.worker.w1"),
         (INSPECT_DATASET_TASK, ["job_1", inspection], "q"),
         (EVALUATE_CHECKPOINT_TASK, ["job_2", evaluation], "q"),
     ]
@@ -124,36 +135,29 @@ def test_an_outbox_row_names_exactly_one_attempt_or_job(
             session.commit()
 
 
-def test_an_attempt_goes_to_the_queue_of_its_device_count_and_a_job_to_the_base_queue(
+def test_a_placed_attempt_goes_to_its_workers_queue_and_a_job_to_the_base_queue(
     sessions: sessionmaker[Session],
 ) -> None:
     with sessions() as session:
-        single = add_attempt(session, run_id="run_1")
-        four = add_attempt(session, run_id="run_2", devices=4)
+        single = add_attempt(session, run_id="run_1", queue="q.worker.a")
+        gang = add_attempt(session, run_id="run_2", devices=2, queue="q.worker.b", member=1)
         inspection = add_job(session, "job_1", "inspection")
-        two = add_attempt(session, run_id="run_3", devices=2)
+        # A row from before placement (no queue): marked sent, never sent: placement sends.
+        old = add_attempt(session, run_id="run_3", queue=None)
         session.commit()
-    statements: list[str] = []
-    engine = sessions.kw["bind"]
-
-    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        statements.append(statement)
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        broker = Broker()
-        assert send(sessions, broker) == 4
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
+    broker = Broker()
+    assert send(sessions, broker) == 3
     assert broker.sent == [
-        (RUN_PHASE_TASK, [single], "q"),
-        (RUN_PHASE_TASK, [four], "q.devices-4"),
+        (RUN_PHASE_TASK, [single], "q.worker.a"),
+        (RUN_PHASE_TASK, [gang], "q.worker.b"),
         (INSPECT_DATASET_TASK, ["job_1", inspection], "q"),
-        (RUN_PHASE_TASK, [two], "q.devices-2"),
     ]
-    # The attempts' counts in one query for the pass, not one per row.
-    attempt_reads = [s for s in statements if s.lstrip().startswith("SELECT") and "attempts" in s]
-    assert len(attempt_reads) == 1, attempt_reads
+    # Member k of a multi-node attempt is told which it is; a single one gets no kwarg.
+    assert broker.kwargs == [None, {"member": 1}, None]
+    with sessions() as session:
+        row = session.scalars(select(OutboxMessage).where(OutboxMessage.attempt_id == old)).one()
+        assert row.sent_at is not None
+    assert send(sessions, broker) == 0
 
 
 def test_each_send_of_a_job_counts_as_one_delivery_and_a_refused_one_does_not(
