@@ -47,9 +47,7 @@ def workers(stack: Stack, api: httpx.Client, count: int) -> list[Proc]:
         stack.worker(TRAINCTL_HOME=str(stack.tmp_path / f"w{n}"), **WORKER_ENV)
         for n in range(count)
     ]
-    wait_until(
-        lambda: api.get("/workers").json()["live"] >= count, timeout=120, what="the workers"
-    )
+    wait_until(lambda: api.get("/workers").json()["live"] >= count, timeout=120, what="the workers")
     return started
 
 
@@ -133,9 +131,7 @@ def test_a_two_node_phase_survives_a_killed_member_bit_for_bit(
             assert_identical_runs(api, killed, reference)
 
 
-def test_two_two_node_runs_on_three_workers_both_finish(
-    tmp_path: Path, postgres_url: str
-) -> None:
+def test_two_two_node_runs_on_three_workers_both_finish(tmp_path: Path, postgres_url: str) -> None:
     with processes() as procs:
         stack = Stack(tmp_path, postgres_url, procs, **SERVICE_ENV)
         with stack.api() as api:
