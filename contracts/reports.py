@@ -303,6 +303,12 @@ class WorkerPing(BaseModel):
     worker: (
         Annotated[str, Field(min_length=1, max_length=120, pattern=r"^[A-Za-z0-9_-]+$")] | None
     ) = None
+    # The host other workers reach it at (TRAINCTL_ADVERTISE_ADDRESS, default its hostname):
+    # as member 0 of an attempt across machines, the rendezvous the others' ranks meet at.
+    # Left out when not said (the service then uses the hostname).
+    address: Annotated[str, Field(min_length=1, max_length=MAX_HOSTNAME), NO_NUL] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 # A removal's reason is a sentence with a path or two in it; a longer one is cut by the worker.

@@ -290,6 +290,12 @@ class AttemptMember(Base):
     placed_at: Mapped[datetime] = mapped_column(default=utcnow)
     claimed_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
+    # Who claimed member k (migration 0020): its retried claim (same nonce, same token) gets
+    # the same answer; its heartbeats and finish must come with this token.
+    claim_nonce: Mapped[str | None] = mapped_column(String(64))
+    claim_token_id: Mapped[str | None] = mapped_column(String(32))
+    worker_hostname: Mapped[str | None] = mapped_column(String(MAX_HOSTNAME))
+    worker_pid: Mapped[int | None]
 
 
 class SchedulerState(Base):
@@ -524,6 +530,9 @@ class Worker(Base):
     # Its own queue's key (contracts.dispatch.worker_queue), from its ping; None for a worker
     # heard from only by its claims, which cannot be placed on.
     key: Mapped[str | None] = mapped_column(String(200))
+    # The host other workers reach it at (its ping's `address`; None: its hostname): member
+    # 0's is the rendezvous of an attempt across machines.
+    address: Mapped[str | None] = mapped_column(String(MAX_HOSTNAME))
     first_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -99,6 +99,13 @@ class WorkerSettings(BaseSettings):
         "to join the process group (torch.distributed's c10d rendezvous) before the attempt "
         "fails and recovers from its latest checkpoint.",
     )
+    advertise_address: str | None = Field(
+        default=None,
+        max_length=255,
+        description="The host other workers reach this one at (its pings say it): when it is "
+        "the first member of a phase across many workers, the others' ranks meet at this "
+        "address. Empty: its hostname.",
+    )
     torch_threads: int | None = Field(
         None, description="torch's CPU threads; unset: torch's default (one per core)."
     )

@@ -35,6 +35,7 @@ def note_worker(
     devices: int | None = None,
     device_kind: str | None = None,
     key: str | None = None,
+    address: str | None = None,
 ) -> None:
     """Record that the worker (hostname, pid) was heard from at `now`: inserted the first time,
     else updated; a field not given keeps what was stored (a claim says nothing of the
@@ -48,6 +49,7 @@ def note_worker(
         "devices": devices,
         "device_kind": device_kind,
         "key": key,
+        "address": address,
     }
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     insert = insert_for(session, Worker).values(
@@ -66,17 +68,29 @@ def note_worker(
 
 
 def note_attempt_worker(
-    *, session: Session, attempt_id: str, now: datetime, token_id: str | None = None
+    *,
+    session: Session,
+    attempt_id: str,
+    now: datetime,
+    token_id: str | None = None,
+    member: int = 0,
 ) -> None:
-    """note_worker for the worker that holds the attempt, as its row names it (claims and
-    heartbeats carry no version or queue). Nothing when the attempt names no worker."""
+    """note_worker for the worker that holds the attempt (or its member `member` > 0 of an
+    attempt across many workers), as its row names it (claims and heartbeats carry no version
+    or queue). Nothing when the attempt names no worker."""
     attempt = session.get(Attempt, attempt_id)
-    if attempt is None or attempt.worker_hostname is None or attempt.worker_pid is None:
+    if attempt is None:
+        return
+    hostname, pid = attempt.worker_hostname, attempt.worker_pid
+    if member > 0:
+        row = session.get(AttemptMember, (attempt_id, member))
+        hostname, pid = (None, None) if row is None else (row.worker_hostname, row.worker_pid)
+    if hostname is None or pid is None:
         return
     note_worker(
         session=session,
-        hostname=attempt.worker_hostname,
-        pid=attempt.worker_pid,
+        hostname=hostname,
+        pid=pid,
         now=now,
         token_id=token_id,
         attempt_id=attempt.id,

@@ -24,6 +24,11 @@ grants one lease from now.
 Safe with several service replicas reaping at once: each attempt is marked by the conditional
 UPDATE in `expire_attempt`, and only the winner settles the run. A reaper that loses (another
 replica won, or the worker's report renewed the lease in time) does nothing.
+
+An attempt across many workers is lost as soon as any member's lease lapses (a member k > 0
+whose heartbeats stopped, or a member that never claimed within a lease of its placement:
+service.workers.lease.expire_member, which names it); member 0's is the attempt's own. Grace
+moves the members' clocks as it moves the attempt's lease.
 """
 
 from __future__ import annotations
@@ -42,10 +47,10 @@ from contracts.dispatch import DEFAULT_QUEUE
 from service.db import database_now, rowcount
 from service.errors import is_unavailable
 from service.lifecycle import AttemptStatus, settle_attempt
-from service.models import Attempt, Job, OutboxMessage, ReaperState, Run
+from service.models import Attempt, AttemptMember, Job, OutboxMessage, ReaperState, Run
 from service.workers.dispatch import redispatch_unclaimed
 from service.workers.job import fail_exhausted_jobs
-from service.workers.lease import expire_attempt
+from service.workers.lease import expire_attempt, expire_member, stale_member_attempts
 from service.workers.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -130,8 +135,43 @@ def grant_grace(
                 extended += move["lease_expires_at"] != lease_ends_at
         if moves:
             session.execute(update(Attempt), moves)  # by primary key: one executemany
+        member_moves = _member_moves(session, [row[0] for row in running], end, lease)
+        if member_moves:
+            session.execute(update(AttemptMember), member_moves)
         session.commit()
     return extended, heard_at
+
+
+def _member_moves(
+    session: Session,
+    running: list[str],
+    end: Callable[[datetime], datetime],
+    lease: timedelta,
+) -> list[dict[str, Any]]:
+    """The members' lease clocks of running attempts across many workers, moved as a lease
+    is: a member's lease ends a lease after its last heartbeat (claimed) or its placement (not
+    claimed yet)."""
+    if not running:
+        return []
+    moves = []
+    for row in session.scalars(
+        select(AttemptMember)
+        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+        .where(AttemptMember.attempt_id.in_(running), Attempt.nodes > 1)
+        .with_for_update(of=AttemptMember)
+    ):
+        move: dict[str, Any] = {}
+        if row.claimed_at is None:
+            placed = end(row.placed_at + lease) - lease
+            if placed != row.placed_at:
+                move["placed_at"] = placed
+        elif row.heartbeat_at is not None:
+            beat = end(row.heartbeat_at + lease) - lease
+            if beat != row.heartbeat_at:
+                move["heartbeat_at"] = beat
+        if move:
+            moves.append({"attempt_id": row.attempt_id, "member": row.member, **move})
+    return moves
 
 
 def _moved(
@@ -158,10 +198,12 @@ def reap_expired(
     now: datetime,
     stall_seconds: float | None = None,
     limit: int = _BATCH,
+    lease_seconds: float | None = None,
 ) -> list[str]:
     """Mark running attempts whose lease expired before `now` (or, given `stall_seconds`,
-    whose progress has not moved for that long) lost and settle their runs, one transaction
-    per attempt. Returns the ids of the attempts this call marked; their new attempts' outbox
+    whose progress has not moved for that long; given `lease_seconds`, across many workers,
+    one of whose members' leases lapsed) lost and settle their runs, one transaction per
+    attempt. Returns the ids of the attempts this call marked; their new attempts' outbox
     rows are committed, for the caller to dispatch."""
     due = Attempt.lease_expires_at <= now
     if stall_seconds is not None:
@@ -175,11 +217,22 @@ def reap_expired(
                 .limit(limit)
             )
         )
+        if lease_seconds is not None:
+            members = session.scalars(
+                stale_member_attempts(session, now, lease_seconds).limit(limit)
+            )
+            candidates += [a for a in members if a not in candidates]
     reaped = []
     for attempt_id in candidates:
         with session_factory() as session:
             try:
-                if _reap_one(session, attempt_id, now=now, stall_seconds=stall_seconds):
+                if _reap_one(
+                    session,
+                    attempt_id,
+                    now=now,
+                    stall_seconds=stall_seconds,
+                    lease_seconds=lease_seconds,
+                ):
                     reaped.append(attempt_id)
             except SQLAlchemyError:
                 raise  # the database: the whole pass failed (Reaper.reap decides on grace)
@@ -192,10 +245,23 @@ def reap_expired(
 
 
 def _reap_one(
-    session: Session, attempt_id: str, *, now: datetime, stall_seconds: float | None
+    session: Session,
+    attempt_id: str,
+    *,
+    now: datetime,
+    stall_seconds: float | None,
+    lease_seconds: float | None = None,
 ) -> bool:
     attempt = session.get(Attempt, attempt_id)
-    if attempt is None or not expire_attempt(
+    if attempt is None:
+        return False
+    # A lost member first: its message names it (the attempt's own lease says less).
+    lost = (
+        lease_seconds is not None
+        and attempt.nodes > 1
+        and expire_member(session=session, attempt=attempt, now=now, lease_seconds=lease_seconds)
+    )
+    if not lost and not expire_attempt(
         session=session, attempt=attempt, now=now, stall_seconds=stall_seconds
     ):
         session.rollback()
@@ -321,7 +387,10 @@ class Reaper(Periodic):
             else:
                 record_hearing(session_factory=self.session_factory, now=now)
             reaped = reap_expired(
-                session_factory=self.session_factory, now=now, stall_seconds=self.stall_seconds
+                session_factory=self.session_factory,
+                now=now,
+                stall_seconds=self.stall_seconds,
+                lease_seconds=self.lease_seconds,
             )
             fail_exhausted_jobs(
                 session_factory=self.session_factory,

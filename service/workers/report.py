@@ -51,7 +51,7 @@ from service.models import (
     Run,
     utcnow,
 )
-from service.workers.lease import fence
+from service.workers.lease import fence, fence_member, superseded
 
 
 def checkpoint_path_of(artifact_root: str, run_id: str, step: int) -> str:
@@ -391,7 +391,10 @@ def finish_attempt(
 ) -> Attempt | None:
     """End an attempt and move the run on (service.lifecycle.settle_attempt). A `succeeded`
     finish is verified first (verify_success). Returns the new attempt, if any, whose outbox
-    row the caller dispatches after this commit."""
+    row the caller dispatches after this commit. A member k > 0 of an attempt across many
+    workers says how its part ended (`finish_member`)."""
+    if report.member > 0:
+        return finish_member(session=session, attempt_id=attempt_id, report=report, token=token)
     now = utcnow()
     attempt = fence(
         session=session,
@@ -417,6 +420,52 @@ def finish_attempt(
         message=report.message,
     )
     set_run_step(run, report.step)
+    next_attempt = settle_attempt(session=session, run=run, attempt=attempt, now=now)
+    session.commit()
+    return next_attempt
+
+
+def finish_member(
+    *, session: Session, attempt_id: str, report: Finish, token: ApiToken
+) -> Attempt | None:
+    """Member k > 0 of an attempt across many workers ends its part. Only a failure is news
+    (member 0 finishes the attempt when the phase ends well, and says so): it fails the whole
+    attempt with the member's cause (default `infrastructure`) and message, prefixed with
+    which member, and the run is settled as for any failed attempt (an infrastructure failure
+    recovers from the latest checkpoint while `max_restarts` lasts). The other members then
+    hear `stop`. Another status is 422 `invalid_finish`; a stale secret 409 `superseded` (the
+    attempt already ended: the first member to fail, or the reaper, named the cause)."""
+    if report.status != AttemptStatus.FAILED:
+        raise ApiError(
+            422,
+            "invalid_finish",
+            f"member {report.member} of attempt {attempt_id} finished {report.status!r}: a "
+            "member other than 0 may only finish 'failed' (member 0 finishes the attempt)",
+            {"attempt_id": attempt_id, "member": report.member, "status": report.status},
+        )
+    now = utcnow()
+    _, row = fence_member(
+        session=session,
+        attempt_id=attempt_id,
+        member=report.member,
+        fencing_token=report.fencing_token,
+        token=token,
+    )
+    attempt = session.get(Attempt, attempt_id, with_for_update=True, populate_existing=True)
+    assert attempt is not None
+    if attempt.status != AttemptStatus.RUNNING or attempt.fencing_token != report.fencing_token:
+        session.rollback()
+        raise superseded(attempt)
+    run = session.get(Run, attempt.run_id, with_for_update=True)
+    assert run is not None
+    where = f"member {row.member} of {attempt.nodes} ({row.worker_hostname}, pid {row.worker_pid})"
+    end_attempt(
+        attempt,
+        AttemptStatus.FAILED,
+        now=now,
+        cause=report.cause or RETRIED_CAUSE,
+        message=f"{where}: {report.message or 'failed'}",
+    )
     next_attempt = settle_attempt(session=session, run=run, attempt=attempt, now=now)
     session.commit()
     return next_attempt

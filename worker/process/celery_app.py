@@ -112,6 +112,7 @@ def ping_service(settings: WorkerSettings, stopped: threading.Event) -> None:
         devices=len(ids),
         device_kind=kind,
         worker=own_key(),
+        address=settings.advertise_address or socket.gethostname(),
     )
     failing = False
     auth = WorkerAuth.of(settings)

@@ -108,7 +108,13 @@ def renew(
     )
     if answer.action != "stop":
         # Only an accepted heartbeat says its worker lives: a stale or forged secret does not.
-        note_attempt_worker(session=session, attempt_id=attempt_id, now=utcnow(), token_id=token.id)
+        note_attempt_worker(
+            session=session,
+            attempt_id=attempt_id,
+            now=utcnow(),
+            token_id=token.id,
+            member=body.member,
+        )
         session.commit()
     return answer
 

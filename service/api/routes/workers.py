@@ -92,6 +92,7 @@ def ping(
         devices=body.devices,
         device_kind=body.device_kind,
         key=body.worker,
+        address=body.address,
     )
     session.commit()
     if body.worker is not None and not holds_placement(session=session, key=body.worker):
