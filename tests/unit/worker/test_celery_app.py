@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from contracts.dispatch import RUN_PHASE_TASK
+from contracts.dispatch import RUN_PHASE_TASK, worker_queue
 from runtime.broker import broker_options
 from worker.settings import WorkerSettings, get_settings
 
@@ -64,7 +64,11 @@ def test_start_worker_runs_one_solo_process_on_the_queue(
     monkeypatch.setattr(celery_app.app, "worker_main", argv.append)
     settings = WorkerSettings(home=tmp_path, queue="cpu", broker_url="redis://broker:6379/0")
     celery_app.start_worker(settings, ["--loglevel=INFO"])
-    assert argv == [["worker", "--pool=solo", "--concurrency=1", "-Q", "cpu", "--loglevel=INFO"]]
+    # Its own queue first (where the service places attempts on it), then the base queue.
+    own = worker_queue("cpu", celery_app.own_key())
+    assert own.startswith("cpu.worker.")
+    queues = f"{own},cpu"
+    assert argv == [["worker", "--pool=solo", "--concurrency=1", "-Q", queues, "--loglevel=INFO"]]
     assert celery_app.app.conf.broker_url == "redis://broker:6379/0"
     assert celery_app.app.settings is settings
 
