@@ -2,7 +2,7 @@
 
 Revision ID: 0020
 Revises: 0019
-Create Date: 2026-12-05
+Create Date: 2026-12-04
 
 Each member of an attempt across N workers claims its own part (service/workers/lease.py):
 
