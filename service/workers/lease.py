@@ -643,9 +643,15 @@ def heartbeat(
     attempt.preparing_file = None if preparing is None else preparing.file
     attempt.preparing_fraction = None if preparing is None else preparing.fraction
     set_run_step(run, report.step)
-    # The lease is renewed either way: a pausing worker needs time to write its checkpoint.
-    # A yield to a higher priority (service.workers.placement) is a pause of this attempt
-    # alone: the run is queued again when it ends.
+    return _order(session, run, attempt, lease_seconds)
+
+
+def _order(session: Session, run: Run, attempt: Attempt, lease_seconds: float) -> HeartbeatAnswer:
+    """Commit the renewed lease and answer the attempt's order: `pause` while the run is
+    paused or asked to, or the attempt told to yield to a higher priority
+    (service.workers.placement: a pause of this attempt alone, the run queued again when it
+    ends); `continue` otherwise. The lease is renewed either way: a pausing worker needs time
+    to write its checkpoint."""
     pausing = (
         run.pause_requested_at is not None
         or run.status == RunStatus.PAUSED
@@ -723,13 +729,7 @@ def member_heartbeat(
     if is_finished(run):
         session.rollback()
         return HeartbeatAnswer(action="stop", lease_seconds=lease_seconds)
-    pausing = (
-        run.pause_requested_at is not None
-        or run.status == RunStatus.PAUSED
-        or attempt.yield_requested_at is not None
-    )
-    session.commit()
-    return HeartbeatAnswer(action="pause" if pausing else "continue", lease_seconds=lease_seconds)
+    return _order(session, run, attempt, lease_seconds)
 
 
 def _stale_member(attempt_id: Any, cutoff: datetime) -> Any:
