@@ -139,12 +139,21 @@ def snapshot(*, session: Session, now: datetime, lease_seconds: float, queue: st
             )
         )
     busy = {k for a in active for k in a.workers}
+    # A worker that handed an attempt back on a preemption notice (SIGTERM) is shutting down:
+    # it still pings for a moment, but a message sent to its own queue now would wait there
+    # for good (a restarted worker is a new key). Per live worker, by its placements' index.
+    leaving = exists().where(
+        AttemptMember.worker_id == Worker.key,
+        AttemptMember.attempt_id == Attempt.id,
+        Attempt.status == AttemptStatus.PREEMPTED.value,
+    )
     machines = [
         Machine(key=key, devices=devices or 1, busy=key in busy)
         for key, devices in session.execute(
             select(Worker.key, Worker.devices).where(
                 Worker.last_seen_at >= since,
                 Worker.key.is_not(None),
+                ~leaving,
                 or_(Worker.queue.is_(None), Worker.queue == queue),
             )
         )

@@ -358,6 +358,7 @@ def test_run_submitted_while_the_broker_is_down_is_kept_in_the_outbox(
     make_settings: SettingsFactory, make_api: ApiFactory, tiny_workflow: WorkflowFactory
 ) -> None:
     api = make_api(make_settings(broker_url="redis://127.0.0.1:1/0"))
+    ping_worker(api)  # a live worker to place the attempt on: its message is then written
     response = submit(api, {"workflow": tiny_workflow()})
     assert response.status_code == 201, response.text
     with api.sessions() as session:

@@ -98,6 +98,10 @@ KNOWN: dict[tuple[str, str], str] = {
         )
         for route in ("heartbeat", "evals")
     },
+    ("POST /internal/attempts/{attempt_id}/finish", "ST202"): (
+        "internal: a member other than 0 of an attempt across workers may only finish failed "
+        "(member 0 finishes the attempt), a rule across fields the document does not say"
+    ),
     # More points than maxItems are more bytes than the route takes: 413, a refusal that
     # schemathesis' negative_data_rejection does not count among its expected statuses.
     ("POST /internal/attempts/{attempt_id}/metrics", "ST201"): (

@@ -16,7 +16,6 @@ from service.db import (
     alembic_config,
     downgrade_database,
     make_engine,
-    make_session_factory,
     upgrade_database,
 )
 
@@ -98,10 +97,21 @@ def test_old_rows_have_no_owner_and_the_downgrade_keeps_them(empty_database_url:
     upgrade_database(url, "0010")
     assert scalar(url, "SELECT owner_id FROM runs WHERE id = 'run_old'") is None
     assert scalar(url, "SELECT owner_id FROM jobs WHERE id = 'job_old'") is None
-    with make_session_factory(url)() as session:
-        create_token(session=session, name="u", role="user")
-        create_token(session=session, name="a", role="admin")
-    assert scalar(url, "SELECT count(*) FROM audit_events") == 2
+    # Tokens as the schema of 0010 holds them (the ORM's models are the newest schema's).
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            for token_id, role in (("tok_u", "user"), ("tok_a", "admin")):
+                conn.execute(
+                    text(
+                        "INSERT INTO api_tokens (id, name, role, token_sha256, created_at) "
+                        "VALUES (:id, :role, :role, :sha, CURRENT_TIMESTAMP)"
+                    ),
+                    {"id": token_id, "role": role, "sha": token_id * 8},
+                )
+    finally:
+        engine.dispose()
+    assert scalar(url, "SELECT count(*) FROM api_tokens") == 2
 
     downgrade_database(url, PREVIOUS)
     assert scalar(url, "SELECT count(*) FROM runs") == 1

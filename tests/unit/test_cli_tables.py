@@ -135,7 +135,7 @@ def run(i: int, name: str, **extra: Any) -> dict[str, Any]:
 def test_runs_list_fits_80_columns_keeping_ids_and_steps_whole() -> None:
     runs = [
         run(1, "sft original, replay phases, carry optimizer state everywhere"),
-        run(2, "mixture replay", status="recovering", waiting_for_worker=True),
+        run(2, "mixture replay", status="recovering", waiting_for_worker=True, queue_position=1),
         run(3, "r"),
     ]
     lines = render(runs_table(runs))
@@ -149,6 +149,8 @@ def test_runs_list_fits_80_columns_keeping_ids_and_steps_whole() -> None:
         "status",
         "phase",
         "step",
+        "prio",
+        "queue",
         "restarts",
         "tags",
         "created",
