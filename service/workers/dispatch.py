@@ -177,6 +177,11 @@ def redispatch_unclaimed(
     )
 
 
+def _database_now(session_factory: sessionmaker[Session]) -> datetime:
+    with session_factory() as session:
+        return database_now(session)
+
+
 class OutboxPump(Periodic):
     """Places queued attempts (service.workers.placement.place) and sends the outbox after
     commits (`dispatch`) and every `interval` seconds in a thread."""
@@ -205,6 +210,12 @@ class OutboxPump(Periodic):
         with self._lock:
             try:
                 if self.lease_seconds is not None:
+                    unplace_stale(
+                        session_factory=self.session_factory,
+                        now=_database_now(self.session_factory),
+                        after=None,
+                        lease_seconds=self.lease_seconds,
+                    )
                     place(
                         session_factory=self.session_factory,
                         lease_seconds=self.lease_seconds,

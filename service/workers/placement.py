@@ -244,26 +244,28 @@ def unplace_stale(
     *,
     session_factory: sessionmaker[Session],
     now: datetime,
-    after: float,
+    after: float | None,
     lease_seconds: float,
 ) -> list[str]:
     """Take back the placement of every queued attempt whose worker is no longer live (it died
     after it was placed on) or left its message unclaimed for `after` seconds (the broker lost
     it, or the worker hangs), so the next pass places it again; counted on the attempt
-    (`redispatches`). Returns the ids taken back; the caller runs a pass."""
+    (`redispatches`). `after` None: only those of workers no longer live (every placement
+    pass takes those back, so an attempt placed on a worker that was going away as it was
+    placed waits a lease, not a reaper interval). Returns the ids taken back; the caller runs
+    a pass."""
     since = now - timedelta(seconds=lease_seconds)
-    cutoff = now - timedelta(seconds=after)
     live = exists().where(Worker.key == AttemptMember.worker_id, Worker.last_seen_at >= since)
+    stale = ~live
+    if after is not None:
+        stale = or_(stale, AttemptMember.placed_at <= now - timedelta(seconds=after))
     with session_factory() as session:
         _lock(session)
         due = list(
             session.execute(
                 select(Attempt.id, Attempt.redispatches)
                 .join(AttemptMember, AttemptMember.attempt_id == Attempt.id)
-                .where(
-                    Attempt.status == _QUEUED,
-                    or_(~live, AttemptMember.placed_at <= cutoff),
-                )
+                .where(Attempt.status == _QUEUED, stale)
                 .distinct()
             )
         )
