@@ -19,9 +19,10 @@ after an idle worker's ping, and every outbox interval. Costs a handful of queri
 attempts, live workers and active attempts (bench/placement.py: a few milliseconds at 100
 queued).
 
-A worker that dies after it was placed on never claims: `unplace_stale` (the reaper's pass)
-takes the members of a queued attempt off a worker no longer live, or one that left the message
-unclaimed for TRAINCTL_REDISPATCH_SECONDS, and the next pass places it again.
+A worker that dies after it was placed on never claims: `unplace_stale` takes the members of a
+queued attempt off a worker no longer live (before every placement pass) or one that left the
+message unclaimed for TRAINCTL_REDISPATCH_SECONDS (the reaper's pass), and the next pass places
+it again.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ run no worker serves), workers.png (the runs table with its workers panel) and e
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -208,12 +209,12 @@ def test_run_page_draws_curves_and_baselines_and_follows_live_updates(
                 "return s.show && s.label === 'baseline' && s.dash.length === 2;",
                 task,
             )
-        change = browser.find_element(By.CSS_SELECTOR, SUMMARIZATION_CHANGE)
+        text, classes = text_and_class(browser, SUMMARIZATION_CHANGE)
         expected = 100 * (
             perplexity_at("summarization", 35) / perplexity_at("summarization", 0) - 1
         )
-        assert change.text == f"{MINUS}{abs(expected):.1f}%"
-        assert "better" in (change.get_attribute("class") or "")
+        assert text == f"{MINUS}{abs(expected):.1f}%"
+        assert "better" in classes
 
         # Checkpoints and attempts.
         checkpoint_steps = [
@@ -540,3 +541,17 @@ def test_the_eval_table_shows_records_scored_and_skipped_and_marks_a_set_past_tw
         browser.execute_script("document.querySelector('#eval-table').scrollIntoView();")
         browser.save_screenshot(str(artifacts / "eval-skipped.png"))
         assert_no_console_errors(browser)
+
+
+def text_and_class(browser: Any, selector: str) -> tuple[str, str]:
+    """The text and class of the element at `selector`, read again when a live update
+    replaced the element between finding and reading it (a stale reference)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(50):
+        try:
+            element = browser.find_element(By.CSS_SELECTOR, selector)
+            return element.text, element.get_attribute("class") or ""
+        except StaleElementReferenceException:
+            time.sleep(0.1)
+    raise AssertionError(f"{selector} was replaced by every live update for 5 s")
